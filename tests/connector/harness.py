@@ -1,0 +1,193 @@
+"""Drive vLLM's real Scheduler plus our worker half in one process, no model.
+
+The "forward" is fake but honest about bytes: for every token it computes,
+it writes KV derived from the token's block hash and offset into the
+request's L1 block (CPU attention layout), so a load that puts the wrong
+page into a block is caught by ``check_block``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from vllm.config import (
+    CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from vllm_hicache.connector import HiCacheConnector
+
+BLOCK = 16
+HEADS, HEAD_SIZE, LAYERS = 2, 32, 2
+
+
+def _fake_backend():
+    return SimpleNamespace(get_name=lambda: "CPU_ATTN")
+
+
+@dataclass
+class Harness:
+    scheduler: Scheduler
+    worker: HiCacheConnector
+    kv: dict[str, torch.Tensor]
+    hashes_of: dict[str, Request] = field(default_factory=dict)
+    steps: int = 0
+    # One entry per loaded block: did it hold exactly the KV computed for it?
+    load_checks: list[bool] = field(default_factory=list)
+
+    @property
+    def sched_half(self):
+        return self.scheduler.connector.scheduler
+
+    # --- requests --------------------------------------------------------
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 3, priority: int = 0) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        sp.update_from_generation_config({}, 2)
+        req = Request(req_id, tokens, sp, None, priority=priority,
+                      block_hasher=get_request_block_hasher(BLOCK, sha256))
+        self.scheduler.add_request(req)
+        self.hashes_of[req_id] = req
+        return req
+
+    # --- one step ------------------------------------------------------------
+
+    def step(self, complete_async: bool = True):
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        if so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        for name in self.kv:
+            w.wait_for_layer_load(name)
+        self._verify_loads(meta.loads)
+        self._fake_forward(so)
+        if not so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        w.wait_for_save()
+        if complete_async and w.worker._async is not None:
+            _drain(w.worker._async)
+            self._verify_loads(meta.async_loads)
+        sending, recving = w.get_finished(so.finished_req_ids)
+        errors = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        ids = list(so.num_scheduled_tokens)
+        kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                invalid_block_ids=errors)
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[[7] for _ in ids], kv_connector_output=kvo)
+        self.scheduler.update_from_output(so, out)
+        self.steps += 1
+        return so
+
+    def run(self, max_steps: int = 200) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("requests did not finish within the step budget")
+
+    def _verify_loads(self, jobs) -> None:
+        for job in jobs:
+            req = self.hashes_of[job.req_id]
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(job.req_id)[0]
+            for block_id in job.copy.block_ids:
+                idx = blocks.index(block_id)
+                self.load_checks.append(self.check_block(block_id, req.block_hashes[idx]))
+
+    def kv_zero(self) -> None:
+        """Forget L1 bytes, so only a real load can bring them back."""
+        for t in self.kv.values():
+            t.zero_()
+
+    # --- fake model ------------------------------------------------------------
+
+    def _fake_forward(self, so) -> None:
+        starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            start = starts[req_id]
+            for pos in range(start, start + n):
+                if pos // BLOCK < len(req.block_hashes):
+                    self._write_slot(blocks[pos // BLOCK], req.block_hashes[pos // BLOCK], pos % BLOCK)
+
+    def _write_slot(self, block_id: int, block_hash: bytes, offset: int) -> None:
+        for layer, t in enumerate(self.kv.values()):
+            view = t.view(t.shape[0], HEADS, 2 * BLOCK, HEAD_SIZE)
+            view[block_id, :, offset] = expected_value(block_hash, offset, layer, 0)
+            view[block_id, :, BLOCK + offset] = expected_value(block_hash, offset, layer, 1)
+
+    def check_block(self, block_id: int, block_hash: bytes) -> bool:
+        for layer, t in enumerate(self.kv.values()):
+            view = t.view(t.shape[0], HEADS, 2 * BLOCK, HEAD_SIZE)
+            for off in range(BLOCK):
+                if not torch.all(view[block_id, :, off] == expected_value(block_hash, off, layer, 0)):
+                    return False
+                if not torch.all(view[block_id, :, BLOCK + off] == expected_value(block_hash, off, layer, 1)):
+                    return False
+        return True
+
+
+def expected_value(block_hash: bytes, offset: int, layer: int, plane: int) -> float:
+    digest = hashlib.blake2b(block_hash + bytes([offset, layer, plane]), digest_size=2).digest()
+    return float(int.from_bytes(digest, "little") % 4093)
+
+
+def _drain(loader, timeout_s: float = 10.0) -> None:
+    """Wait (bounded) for the async loader's in-flight jobs."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while any(not loader._is_done(h) for _, h in loader._inflight.values()):
+        if time.monotonic() > deadline:
+            raise AssertionError("async loads did not finish in time")
+        time.sleep(0.001)
+
+
+def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
+                 max_batched: int = 256, **extra) -> Harness:
+    init_none_hash(sha256)
+    extra.setdefault("hicache_io_backend", "direct")
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+                                         max_model_len=512, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HiCacheConnector", kv_connector_module_path="vllm_hicache",
+            kv_role="kv_both", kv_connector_extra_config=extra),
+    )
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                             dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    for name in names:
+        vllm_config.compilation_config.static_forward_context[name] = SimpleNamespace(
+            attn_backend=_fake_backend())
+    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                          structured_output_manager=StructuredOutputManager(vllm_config),
+                          block_size=BLOCK, log_stats=True)
+    worker = HiCacheConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    kv = {n: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE) for n in names}
+    worker.register_kv_caches(kv)
+    return Harness(scheduler, worker, kv)

@@ -1,0 +1,190 @@
+"""Scheduler half on vLLM's real Scheduler, with the worker half and a fake forward."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.connector.harness import BLOCK, make_harness
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def prompt(seed: int, num_tokens: int) -> list[int]:
+    return [10 + (seed * 131 + i * 17) % 400 for i in range(num_tokens)]
+
+
+def assert_clean(h) -> None:
+    """No request left, no pinned page, tree consistent."""
+    tree = h.sched_half.tree
+    tree.check_integrity()
+    h.step()  # releases the last step's load locks
+    assert tree.num_locked_pages == 0
+    assert not h.sched_half._async_locks
+    assert not h.sched_half._reqs
+
+
+def test_cold_request_stores_every_full_block(tiny_model_dir):
+    h = make_harness(tiny_model_dir)
+    h.add("a", prompt(1, 5 * BLOCK + 3), max_tokens=2)
+    h.run()
+    tree = h.sched_half.tree
+    assert tree.num_cached_pages == 5
+    assert h.sched_half.stats.stored_blocks == 5
+    assert_clean(h)
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+def test_hit_after_l1_reset_loads_exact_bytes(tiny_model_dir, load_mode):
+    h = make_harness(tiny_model_dir, hicache_load_mode=load_mode)
+    tokens = prompt(2, 4 * BLOCK + 5)
+    h.add("a", tokens)
+    h.run()
+    assert h.scheduler.reset_prefix_cache()
+    h.kv_zero()
+    req = h.add("b", tokens)
+    so = h.step()
+    if load_mode == "async":
+        assert so.num_scheduled_tokens.get("b") is None  # waits for its load
+    h.run()
+    assert h.sched_half.stats.loaded_blocks == 4
+    assert h.load_checks and all(h.load_checks)
+    assert req.num_cached_tokens == 4 * BLOCK
+    assert_clean(h)
+
+
+def test_never_claims_the_last_token(tiny_model_dir):
+    h = make_harness(tiny_model_dir)
+    tokens = prompt(3, 4 * BLOCK)  # exactly 4 full blocks
+    h.add("a", tokens)
+    h.run()
+    h.scheduler.reset_prefix_cache()
+    req = h.add("b", tokens)
+    h.run()
+    assert req.num_cached_tokens == 3 * BLOCK
+    assert all(h.load_checks)
+
+
+def test_partial_l2_hit_after_l1_hit(tiny_model_dir):
+    """vLLM keeps a short prefix in L1; L2 supplies the rest."""
+    h = make_harness(tiny_model_dir)
+    long = prompt(4, 6 * BLOCK + 1)
+    h.add("a", long)
+    h.run()
+    h.scheduler.reset_prefix_cache()
+    h.add("short", long[: 2 * BLOCK + 1])  # loads 2 blocks from L2 into L1
+    h.run()
+    loaded_before = h.sched_half.stats.loaded_blocks
+    req = h.add("b", long)
+    h.run()
+    assert h.sched_half.stats.loaded_blocks - loaded_before == 4
+    assert req.num_cached_tokens == 6 * BLOCK
+    assert all(h.load_checks)
+    assert_clean(h)
+
+
+def test_selective_write_needs_second_use(tiny_model_dir):
+    h = make_harness(tiny_model_dir, hicache_write_policy="write_through_selective")
+    tokens = prompt(5, 3 * BLOCK + 1)
+    h.add("a", tokens)
+    h.run()
+    assert h.sched_half.tree.num_cached_pages == 0
+    h.add("b", tokens)  # L1 hit: second use of the 3 blocks
+    h.run()
+    assert h.sched_half.tree.num_cached_pages == 3
+    h.scheduler.reset_prefix_cache()
+    req = h.add("c", tokens)
+    h.run()
+    assert req.num_cached_tokens == 3 * BLOCK
+    assert all(h.load_checks)
+
+
+def test_write_back_stores_only_on_l1_eviction(tiny_model_dir):
+    h = make_harness(tiny_model_dir, num_blocks=24, hicache_write_policy="write_back")
+    first = prompt(6, 4 * BLOCK + 1)
+    h.add("a", first)
+    h.run()
+    assert h.sched_half.tree.num_cached_pages == 0
+    for i in range(4):  # churn L1 with other prompts until "a" is evicted
+        h.add(f"x{i}", prompt(100 + i, 5 * BLOCK + 1))
+        h.run()
+    assert h.sched_half.stats.stored_blocks > 0
+    req = h.add("b", first)
+    h.run()
+    assert req.num_cached_tokens == 4 * BLOCK
+    assert h.load_checks and all(h.load_checks)
+    assert_clean(h)
+
+
+def test_write_back_on_prefix_cache_reset(tiny_model_dir):
+    h = make_harness(tiny_model_dir, hicache_write_policy="write_back")
+    tokens = prompt(7, 3 * BLOCK + 1)
+    h.add("a", tokens)
+    h.run()
+    assert h.scheduler.reset_prefix_cache()
+    h.step()  # the write-back copies run before any block is reused
+    assert h.sched_half.tree.num_cached_pages == 3
+    req = h.add("b", tokens)
+    h.run()
+    assert req.num_cached_tokens == 3 * BLOCK
+    assert all(h.load_checks)
+
+
+def test_eviction_pressure_keeps_tree_consistent(tiny_model_dir):
+    # L2 = 1.5 x 32 blocks = 48 pages; 12 prompts x 5 blocks overflow it.
+    h = make_harness(tiny_model_dir, num_blocks=32, hicache_ratio=1.5)
+    for i in range(12):
+        h.add(f"r{i}", prompt(200 + i, 5 * BLOCK + 2), max_tokens=2)
+        h.run()
+        h.sched_half.tree.check_integrity()
+    stats = h.sched_half.stats
+    assert stats.evicted_pages > 0
+    assert h.sched_half.tree.num_cached_pages <= h.sched_half.num_pages
+    h.scheduler.reset_prefix_cache()
+    req = h.add("again", prompt(211, 5 * BLOCK + 2))  # the most recent prompt
+    h.run()
+    assert req.num_cached_tokens == 5 * BLOCK
+    assert all(h.load_checks)
+    assert_clean(h)
+
+
+def test_preemption_finishes_everything_without_leaks(tiny_model_dir):
+    # 12 usable blocks for 4 requests that each grow to 4 blocks: preemptions.
+    h = make_harness(tiny_model_dir, num_blocks=13, max_batched=64)
+    for i in range(4):
+        h.add(f"p{i}", prompt(300 + i, 2 * BLOCK + 8), max_tokens=20)
+    h.run(max_steps=400)
+    assert h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 12
+    assert all(h.load_checks)
+    assert_clean(h)
+
+
+def test_abort_during_async_load_releases_pins(tiny_model_dir):
+    from vllm.v1.request import RequestStatus
+
+    h = make_harness(tiny_model_dir, hicache_load_mode="async")
+    tokens = prompt(8, 4 * BLOCK + 1)
+    h.add("a", tokens)
+    h.run()
+    h.scheduler.reset_prefix_cache()
+    h.add("b", tokens)
+    h.step(complete_async=False)
+    assert h.sched_half._async_locks  # the load is in flight, pages pinned
+    h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    h.run()
+    for _ in range(3):
+        h.step()
+    assert "b" not in h.scheduler.requests
+    assert_clean(h)
+
+
+def test_reset_cache_clears_l2(tiny_model_dir):
+    h = make_harness(tiny_model_dir)
+    h.add("a", prompt(9, 3 * BLOCK + 1))
+    h.run()
+    assert h.sched_half.tree.num_cached_pages == 3
+    assert h.scheduler.connector.reset_cache() is True
+    assert h.sched_half.tree.num_cached_pages == 0
+    h.scheduler.reset_prefix_cache()
+    req = h.add("b", prompt(9, 3 * BLOCK + 1))
+    h.run()
+    assert req.num_cached_tokens == 0

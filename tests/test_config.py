@@ -1,0 +1,99 @@
+import logging
+
+import pytest
+
+from vllm_hicache.config import HiCacheConfig, resolve_conflicts
+from tests.conftest import make_config
+
+
+def test_defaults_mirror_sglang():
+    cfg = HiCacheConfig.from_extra_config(None)
+    assert cfg.hicache_ratio == 2.0
+    assert cfg.hicache_size == 0.0
+    assert cfg.hicache_write_policy == "write_through"
+    assert cfg.hicache_mem_layout == "layer_first"
+    assert cfg.hicache_io_backend == "kernel"
+    assert cfg.radix_eviction_policy == "lru"
+    assert cfg.hicache_load_mode == "layerwise"
+
+
+def test_config_is_frozen():
+    cfg = make_config()
+    with pytest.raises(Exception):
+        cfg.hicache_ratio = 3.0
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("hicache_ratio", 1.0, "must be > 1"),
+        ("hicache_ratio", "abc", "expected a number"),
+        ("hicache_ratio", True, "expected a number"),
+        ("hicache_ratio", float("nan"), "hicache_ratio"),
+        ("hicache_size", -1, "must be >= 0"),
+        ("hicache_write_policy", "write_around", "write_through, write_through_selective, write_back"),
+        ("hicache_mem_layout", "page_head", "layer_first, page_first, page_first_direct"),
+        ("hicache_io_backend", 3, "kernel, direct"),
+        ("radix_eviction_policy", "random", "lru, lfu, fifo, mru, filo, priority"),
+        ("hicache_load_mode", "sync", "layerwise, async"),
+    ],
+)
+def test_bad_values_name_key_value_and_choices(key, value, match):
+    with pytest.raises(ValueError, match=match) as err:
+        make_config(**{key: value})
+    assert key in str(err.value)
+
+
+def test_unknown_key_lists_accepted_keys():
+    with pytest.raises(ValueError, match="hicache_ratoi") as err:
+        make_config(hicache_ratoi=3)
+    assert "hicache_ratio" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["hicache_storage_backend", "hicache_storage_prefetch_policy",
+     "hicache_storage_backend_extra_config"],
+)
+def test_l3_keys_rejected_until_implemented(key):
+    with pytest.raises(ValueError, match="not supported yet") as err:
+        make_config(**{key: "file"})
+    assert key in str(err.value)
+
+
+def test_numbers_accept_strings_and_ints():
+    cfg = make_config(hicache_ratio="3", hicache_size=4)
+    assert cfg.hicache_ratio == 3.0
+    assert cfg.host_bytes_override == 4_000_000_000
+
+
+def test_write_threshold():
+    assert make_config().write_threshold == 1
+    assert make_config(hicache_write_policy="write_through_selective").write_threshold == 2
+
+
+@pytest.mark.parametrize(
+    "layout, io, want_layout, want_io",
+    [
+        ("page_first_direct", "kernel", "page_first_direct", "direct"),
+        ("page_first", "direct", "page_first_direct", "direct"),
+        ("layer_first", "direct", "layer_first", "direct"),
+        ("page_first", "kernel", "page_first", "kernel"),
+    ],
+)
+def test_incompatible_pairs_rewritten_with_one_warning(caplog, layout, io, want_layout, want_io):
+    with caplog.at_level(logging.WARNING, logger="vllm_hicache.config"):
+        cfg = make_config(hicache_mem_layout=layout, hicache_io_backend=io)
+    assert (cfg.hicache_mem_layout, cfg.hicache_io_backend) == (want_layout, want_io)
+    changed = (layout, io) != (want_layout, want_io)
+    assert len(caplog.records) == (1 if changed else 0)
+
+
+def test_kernel_without_cuda_falls_back_to_direct(caplog):
+    cfg = make_config(hicache_mem_layout="page_first")
+    with caplog.at_level(logging.WARNING, logger="vllm_hicache.config"):
+        resolved = resolve_conflicts(cfg, cuda_available=False)
+    assert resolved.hicache_io_backend == "direct"
+    # page_first needs the kernel backend; without it the layout follows.
+    assert resolved.hicache_mem_layout == "page_first_direct"
+    assert any("needs CUDA" in r.message for r in caplog.records)

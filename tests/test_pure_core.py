@@ -1,0 +1,60 @@
+"""The pure core (index/, policy/, config.py, keys.py) imports neither torch nor vllm."""
+
+import subprocess
+import sys
+import textwrap
+
+PURE_MODULES = [
+    "vllm_hicache",
+    "vllm_hicache.config",
+    "vllm_hicache.keys",
+    "vllm_hicache.index",
+    "vllm_hicache.policy",
+    "vllm_hicache.policy.eviction",
+    "vllm_hicache.policy.write",
+]
+
+
+def test_pure_core_imports_without_torch_or_vllm():
+    script = textwrap.dedent(
+        f"""
+        import importlib, sys
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "vllm", "numpy"):
+                    raise ImportError("blocked: " + name)
+                return None
+
+        sys.meta_path.insert(0, Block())
+        for mod in {PURE_MODULES!r}:
+            importlib.import_module(mod)
+        loaded = [m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")]
+        assert not loaded, loaded
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_blocker_actually_blocks():
+    """Negative control: the same harness fails on a module that needs torch."""
+    script = textwrap.dedent(
+        """
+        import importlib, sys
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "vllm"):
+                    raise ImportError("blocked: " + name)
+                return None
+
+        sys.meta_path.insert(0, Block())
+        importlib.import_module("vllm_hicache.connector")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "blocked" in out.stderr

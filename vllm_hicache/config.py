@@ -1,0 +1,159 @@
+"""HiCache configuration, parsed once from ``kv_connector_extra_config``.
+
+Invariant: every key a user can set is read here and nowhere else. Unknown keys,
+wrong types and out-of-range values raise ``ValueError`` naming the key, the
+value and what is accepted. Keys mirror SGLang's ``--hicache-*`` flags.
+Incompatible combinations are rewritten with one warning, as SGLang does.
+Pure module: imports neither torch nor vllm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+IO_BACKENDS = ("kernel", "direct")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority")
+LOAD_MODES = ("layerwise", "async")
+
+# Keys of the L3 tier. They are reserved, not ignored: until the storage tier
+# exists, setting one is an error rather than a silent no-op.
+_L3_KEYS = (
+    "hicache_storage_backend",
+    "hicache_storage_prefetch_policy",
+    "hicache_storage_backend_extra_config",
+)
+
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    # L2 size as a multiple of vLLM's own KV cache (SGLang --hicache-ratio).
+    hicache_ratio: float = 2.0
+    # L2 size in GB (1e9 bytes) per rank; 0 means "use hicache_ratio"
+    # (SGLang --hicache-size).
+    hicache_size: float = 0.0
+    # When computed KV is copied L1 -> L2 (SGLang --hicache-write-policy).
+    hicache_write_policy: str = "write_through"
+    # Host pool memory layout (SGLang --hicache-mem-layout).
+    hicache_mem_layout: str = "layer_first"
+    # Copy engine for L1 <-> L2: Triton kernels or torch copies
+    # (SGLang --hicache-io-backend).
+    hicache_io_backend: str = "kernel"
+    # Order in which unpinned L2 leaves are evicted
+    # (SGLang --radix-eviction-policy).
+    radix_eviction_policy: str = "lru"
+    # layerwise: loads overlap the forward, layer by layer; async: loads run
+    # between steps while the request waits in WAITING_FOR_REMOTE_KVS.
+    hicache_load_mode: str = "layerwise"
+
+    @property
+    def host_bytes_override(self) -> int:
+        """L2 bytes per rank requested by hicache_size, or 0 when unset."""
+        return int(self.hicache_size * _GB)
+
+    @property
+    def write_threshold(self) -> int:
+        """Hits a block needs before it is written through to L2."""
+        return 2 if self.hicache_write_policy == "write_through_selective" else 1
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> HiCacheConfig:
+        """Parse and validate ``kv_connector_extra_config``; the only entry point."""
+        extra = dict(extra or {})
+        _reject_reserved(extra)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config key(s) {unknown}; "
+                f"accepted: {sorted(known)}"
+            )
+        values = {name: _parse_field(name, value) for name, value in extra.items()}
+        return resolve_conflicts(cls(**values))
+
+
+def _reject_reserved(extra: Mapping[str, Any]) -> None:
+    for key in _L3_KEYS:
+        if key in extra:
+            raise ValueError(
+                f"kv_connector_extra_config key {key!r} (value {extra[key]!r}) "
+                "is not supported yet: the L3 storage tier is not implemented in "
+                "this version of vllm_hicache; remove the key"
+            )
+
+
+def _parse_field(name: str, value: Any) -> Any:
+    if name in ("hicache_ratio", "hicache_size"):
+        return _parse_number(name, value)
+    choices = {
+        "hicache_write_policy": WRITE_POLICIES,
+        "hicache_mem_layout": MEM_LAYOUTS,
+        "hicache_io_backend": IO_BACKENDS,
+        "radix_eviction_policy": EVICTION_POLICIES,
+        "hicache_load_mode": LOAD_MODES,
+    }[name]
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(
+            f"invalid {name}={value!r}; accepted: {', '.join(choices)}"
+        )
+    return value
+
+
+def _parse_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"invalid {name}={value!r}; expected a number")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"invalid {name}={value!r}; expected a number") from None
+    if name == "hicache_ratio" and not number > 1.0:
+        raise ValueError(
+            f"invalid hicache_ratio={value!r}; it must be > 1 (L2 is sized as a "
+            "multiple of vLLM's KV cache and must be larger than it)"
+        )
+    if name == "hicache_size" and not number >= 0.0:
+        raise ValueError(
+            f"invalid hicache_size={value!r}; it must be >= 0 GB (0 = use hicache_ratio)"
+        )
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError(f"invalid {name}={value!r}; expected a finite number")
+    return number
+
+
+def resolve_conflicts(cfg: HiCacheConfig, cuda_available: bool = True) -> HiCacheConfig:
+    """Rewrite incompatible layout / I/O pairs, warning once per rewrite.
+
+    ``cuda_available=False`` additionally turns ``kernel`` I/O into ``direct``
+    (the Triton kernels need CUDA); the worker half calls this again once it
+    knows the device.
+    """
+    io_backend, layout = cfg.hicache_io_backend, cfg.hicache_mem_layout
+    if io_backend == "kernel" and not cuda_available:
+        logger.warning(
+            "hicache_io_backend=kernel needs CUDA; falling back to direct (torch copies)"
+        )
+        io_backend = "direct"
+    if layout == "page_first_direct" and io_backend == "kernel":
+        logger.warning(
+            "hicache_mem_layout=page_first_direct needs hicache_io_backend=direct; "
+            "switching the I/O backend to direct"
+        )
+        io_backend = "direct"
+    if layout == "page_first" and io_backend == "direct":
+        logger.warning(
+            "hicache_mem_layout=page_first with hicache_io_backend=direct becomes "
+            "page_first_direct (direct copies need page-contiguous runs)"
+        )
+        layout = "page_first_direct"
+    return dataclasses.replace(
+        cfg, hicache_io_backend=io_backend, hicache_mem_layout=layout
+    )

@@ -1,0 +1,149 @@
+"""HiCacheConnector: vLLM's entry point; dispatches to one of the two halves.
+
+vLLM builds it twice: with role SCHEDULER in EngineCore (-> HiCacheScheduler)
+and with role WORKER in each worker (-> HiCacheWorker). Each method asserts
+it runs on the half that owns it. Use with
+``kv_connector="HiCacheConnector", kv_connector_module_path="vllm_hicache"``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from vllm_hicache.config import HiCacheConfig
+from vllm_hicache.connector.geometry import geometry_from
+from vllm_hicache.connector.metadata import HiCacheMetadata
+from vllm_hicache.connector.scheduler import HiCacheScheduler
+from vllm_hicache.connector.worker import HiCacheWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        cfg = HiCacheConfig.from_extra_config(extra)
+        geom = geometry_from(kv_cache_config)
+        self.scheduler: HiCacheScheduler | None = None
+        self.worker: HiCacheWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = HiCacheScheduler(cfg, geom)
+        else:
+            self.worker = HiCacheWorker(cfg, geom, vllm_config)
+
+    # --- capabilities ------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a preempted request simply recomputes.
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layerwise loads wait per layer, which full CUDA-graph replay skips.
+        cfg = HiCacheConfig.from_extra_config(extra_config)
+        return cfg.hicache_load_mode == "layerwise"
+
+    # --- scheduler half ----------------------------------------------------
+
+    def _sched(self) -> HiCacheScheduler:
+        assert self.scheduler is not None, "scheduler-side method called on a worker"
+        return self.scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(request)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self._sched().bind_gpu_block_pool(gpu_block_pool)
+
+    def reset_cache(self) -> bool | None:
+        return self._sched().reset_cache() if self.scheduler is not None else None
+
+    # --- worker half -------------------------------------------------------
+
+    def _work(self) -> HiCacheWorker:
+        assert self.worker is not None, "worker-side method called on the scheduler"
+        return self.worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, HiCacheMetadata)
+        self._work().handle_preemptions(kv_connector_metadata)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, HiCacheMetadata)
+        self._work().bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._work().clear()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._work().start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._work().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        # Stores copy whole blocks of all layers after the forward
+        # (wait_for_save): one batched copy instead of one per layer.
+        return
+
+    def wait_for_save(self) -> None:
+        self._work().wait_for_save()
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        return self._work().get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

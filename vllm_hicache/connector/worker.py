@@ -1,0 +1,202 @@
+"""Worker half: owns the host pool and executes the scheduler's operations.
+
+One instance per TP rank. It never decides policy: page numbers come from the
+scheduler half, identical on every rank (each rank stores its own heads).
+
+Ordering (see connector/metadata.py): write-back copies run in
+``handle_preemptions`` before the forward; sync loads run layer by layer in
+``wait_for_layer_load`` (CPU) or are queued on a transfer stream in
+``start_load_kv`` with one event per layer (CUDA); stores run in
+``wait_for_save`` after the forward. On CUDA every copy uses one transfer
+stream, so stores of step N precede loads of step N+1, and the compute stream
+waits for the stores before a step can overwrite a stored block.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm_hicache.config import HiCacheConfig, resolve_conflicts
+from vllm_hicache.connector.async_loads import AsyncLoader
+from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
+from vllm_hicache.connector.metadata import BlockCopy, HiCacheMetadata
+from vllm_hicache.host import HostKVPool
+from vllm_hicache.kernels import describe_kv_tensor, make_transfer
+
+logger = logging.getLogger(__name__)
+
+
+class HiCacheWorker:
+    def __init__(self, cfg: HiCacheConfig, geom: KVGeometry, vllm_config) -> None:
+        self.cfg = cfg
+        self.geom = geom
+        self.num_pages = host_num_pages(cfg, geom)
+        self._vllm_config = vllm_config
+        self.pool: HostKVPool | None = None
+        self.transfer = None
+        # L1 tensors in layer order (what the transfer reads and writes).
+        self.transfer_tensors: list[torch.Tensor] = []
+        self._layer_index = {name: i for i, name in enumerate(geom.layer_names)}
+        self._meta: HiCacheMetadata | None = None
+        self._pending_layers: set[int] = set()
+        self._load_errors: set[int] = set()
+        self._stream = None
+        self._layer_events: dict[int, object] = {}
+        self._store_done = None
+        self._async: AsyncLoader | None = None
+
+    # --- set-up ------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.geom.layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"HiCache: KV caches missing for layers {missing}")
+        tensors = [kv_caches[n] for n in self.geom.layer_names]
+        self.transfer_tensors = tensors
+        device = tensors[0].device
+        cfg = resolve_conflicts(self.cfg, cuda_available=device.type == "cuda")
+        layouts = [
+            describe_kv_tensor(
+                t,
+                num_blocks=self.geom.num_l1_blocks,
+                block_size=self.geom.block_size,
+                num_kv_heads=self.geom.num_kv_heads,
+                head_size=self.geom.head_size,
+                is_mla=self.geom.is_mla,
+                backend_name=self._backend_name(name),
+            )
+            for name, t in zip(self.geom.layer_names, tensors)
+        ]
+        self.pool = HostKVPool.for_layouts(
+            self.num_pages, layouts, cfg.hicache_mem_layout,
+            pin_memory=device.type == "cuda",
+        )
+        self.transfer = make_transfer(cfg.hicache_io_backend, tensors, layouts, self.pool)
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=device)
+        self._async = AsyncLoader(self.transfer, self._stream)
+        logger.info(
+            "HiCache worker: %d host pages (%.2f GB), layout=%s, io=%s, device=%s",
+            self.num_pages, self.pool.num_bytes / 1e9, cfg.hicache_mem_layout,
+            cfg.hicache_io_backend, device,
+        )
+
+    def _backend_name(self, layer_name: str) -> str:
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        layer = ctx.get(layer_name)
+        backend = getattr(layer, "attn_backend", None)
+        return backend.get_name() if backend is not None else "UNKNOWN"
+
+    # --- per step ----------------------------------------------------------
+
+    def handle_preemptions(self, meta: HiCacheMetadata) -> None:
+        self._wait_stores_on_compute()
+        if meta.evict_stores:
+            # The reused blocks are overwritten by this step's forward.
+            self._run_on_stream(self.transfer.store, meta.evict_stores)
+            self._wait_stores_on_compute(record_now=True)
+
+    def bind(self, meta: HiCacheMetadata) -> None:
+        self._meta = meta
+        self._pending_layers = set(range(self.geom.num_layers)) if meta.loads else set()
+        self._layer_events = {}
+
+    def start_load_kv(self) -> None:
+        meta = self._meta
+        if meta is None:
+            return
+        for job in meta.async_loads:
+            self._async.submit(job)
+        if meta.loads and self._stream is not None:
+            self._queue_layer_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or layer not in self._pending_layers:
+            return
+        self._pending_layers.discard(layer)
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_event(self._layer_events[layer])
+            return
+        self._load_layer(layer)
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        if meta is None:
+            return
+        if self._pending_layers:
+            # The forward skipped a layer hook: its KV was used unloaded.
+            # Load now for the cache's sake, and make vLLM recompute.
+            logger.warning("HiCache: layers %s were not loaded in time", sorted(self._pending_layers))
+            for layer in sorted(self._pending_layers):
+                self._load_layer(layer)
+            for job in meta.loads:
+                self._load_errors.update(job.copy.block_ids)
+            self._pending_layers.clear()
+        if meta.stores:
+            self._run_on_stream(self.transfer.store, meta.stores, after_compute=True)
+            self._store_done = self._record_event()
+
+    def _load_layer(self, layer: int) -> None:
+        for job in self._meta.loads:
+            try:
+                self.transfer.load_layer(layer, job.copy.block_ids, job.copy.page_ids)
+            except Exception:  # a failed copy must become a recompute, not a crash
+                logger.exception("HiCache: load of %s failed", job.req_id)
+                self._load_errors.update(job.copy.block_ids)
+
+    def _queue_layer_loads(self, meta: HiCacheMetadata) -> None:
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for layer in range(self.geom.num_layers):
+                for job in meta.loads:
+                    self.transfer.load_layer(layer, job.copy.block_ids, job.copy.page_ids)
+                self._layer_events[layer] = self._record_event()
+
+    # --- streams (CUDA only; no-ops on CPU) --------------------------------
+
+    def _run_on_stream(self, fn, copy: BlockCopy, after_compute: bool = False) -> None:
+        if self._stream is None:
+            fn(copy.block_ids, copy.page_ids)
+            return
+        if after_compute:
+            self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            fn(copy.block_ids, copy.page_ids)
+
+    def _record_event(self):
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def _wait_stores_on_compute(self, record_now: bool = False) -> None:
+        if self._stream is None:
+            return
+        if record_now:
+            self._store_done = self._record_event()
+        if self._store_done is not None:
+            torch.cuda.current_stream().wait_event(self._store_done)
+
+    # --- completions -------------------------------------------------------
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        if self._async is None:
+            return None, None
+        done, failed_blocks = self._async.poll()
+        self._load_errors.update(failed_blocks)
+        return None, (done or None)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._async is not None:
+            self._async.shutdown()
+        self.pool = None
+        self.transfer = None

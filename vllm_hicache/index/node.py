@@ -1,0 +1,108 @@
+"""Radix-tree node, lock handle and match result of the L2 index.
+
+A node holds a run of consecutive blocks. ``pages is None`` marks a
+placeholder: its blocks lie on the path to host-backed descendants but have
+no L2 page (for example they are still only in vLLM's GPU cache). A node is
+entirely host-backed or entirely a placeholder. Pure module.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+# Creation order; breaks ties between equal policy keys deterministically.
+_node_ids = itertools.count()
+
+
+class RadixNode:
+    """One run of blocks. Mutated only by ``HiRadixTree``."""
+
+    __slots__ = (
+        "id", "parent", "children", "key", "pages", "lock_ref",
+        "hit_count", "priority", "last_access_time", "creation_time",
+    )
+
+    def __init__(
+        self,
+        parent: RadixNode | None,
+        key: list[bytes],
+        pages: list[int] | None,
+        now: float,
+        priority: int = 0,
+    ) -> None:
+        self.id = next(_node_ids)
+        self.parent = parent
+        # first block hash of the child's run -> child
+        self.children: dict[bytes, RadixNode] = {}
+        self.key = key
+        self.pages = pages
+        self.lock_ref = 0
+        self.hit_count = 0
+        self.priority = priority
+        self.last_access_time = now
+        self.creation_time = now
+
+    def split(self, num_blocks: int) -> RadixNode:
+        """Cut the first ``num_blocks`` blocks off into a new parent; return it.
+
+        ``self`` keeps the tail, so a LockHandle pointing at ``self`` still
+        reaches the new head when it walks up. The head copies every stat,
+        lock_ref included: each lock through ``self`` also covered the head.
+        """
+        assert 0 < num_blocks < len(self.key), (num_blocks, len(self.key))
+        parent = self.parent
+        assert parent is not None
+        head = RadixNode(parent, self.key[:num_blocks], None, self.creation_time)
+        if self.pages is not None:
+            head.pages = self.pages[:num_blocks]
+            self.pages = self.pages[num_blocks:]
+        head.lock_ref = self.lock_ref
+        head.hit_count = self.hit_count
+        head.priority = self.priority
+        head.last_access_time = self.last_access_time
+        self.key = self.key[num_blocks:]
+        parent.children[head.key[0]] = head
+        head.children[self.key[0]] = self
+        self.parent = head
+        return head
+
+    def __repr__(self) -> str:
+        kind = "placeholder" if self.pages is None else f"pages={self.pages}"
+        return f"RadixNode(id={self.id}, blocks={len(self.key)}, {kind}, lock_ref={self.lock_ref})"
+
+
+class LockHandle:
+    """Proof of one ``HiRadixTree.lock``; give it to ``unlock`` exactly once."""
+
+    __slots__ = ("_node", "_active", "num_blocks")
+
+    def __init__(self, node: RadixNode, num_blocks: int) -> None:
+        # Deepest pinned node; its ancestors (up to the root) are pinned too.
+        self._node = node
+        self._active = True
+        # Blocks the caller asked to pin (whole nodes may pin more).
+        self.num_blocks = num_blocks
+
+
+class MatchResult(NamedTuple):
+    """What L2 holds of a request's chain, block 0 first.
+
+    ``pages[i]`` is the host page of block i, or None where the path is a
+    placeholder. It stops at the first block not in the tree. The pages are
+    only safe to use while a lock covering them is held: ``alloc`` may evict.
+    """
+
+    pages: list[int | None]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pages)
+
+    def host_run(self, start_block: int) -> list[int]:
+        """Consecutive host pages beginning at ``start_block`` (may be empty)."""
+        pages = self.pages
+        end = start_block
+        while end < len(pages) and pages[end] is not None:
+            end += 1
+        return pages[start_block:end]  # type: ignore[return-value]

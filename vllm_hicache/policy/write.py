@@ -1,0 +1,73 @@
+"""Write policies: which computed blocks the scheduler half copies L1 -> L2.
+
+- write_through: every computed full block, as soon as it is computed.
+- write_through_selective: a block once it has been hit at least twice
+  (computed once and reused once, counted per request that uses it).
+- write_back: nothing on compute; a block is copied only when vLLM is about
+  to evict it from L1 (see connector/write_back.py).
+
+Hit counts for blocks not yet in L2 live in a bounded LRU table, so a long run
+cannot grow it without limit. Pure module: no torch, no vllm.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class HitCounter:
+    """Bounded LRU map block hash -> number of requests that used the block."""
+
+    def __init__(self, capacity: int) -> None:
+        assert capacity > 0, capacity
+        self.capacity = capacity
+        self._counts: OrderedDict[bytes, int] = OrderedDict()
+
+    def record(self, hashes: Iterable[bytes]) -> None:
+        counts = self._counts
+        for h in hashes:
+            counts[h] = counts.pop(h, 0) + 1
+        while len(counts) > self.capacity:
+            counts.popitem(last=False)
+
+    def count(self, block_hash: bytes) -> int:
+        return self._counts.get(block_hash, 0)
+
+    def clear(self) -> None:
+        self._counts.clear()
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+
+class WritePolicy:
+    """Decides, per computed block, whether to store it now.
+
+    The scheduler half calls ``record_use`` once per request for the blocks it
+    uses, and ``should_store`` for each newly computed full block.
+    """
+
+    def __init__(self, name: str, counter_capacity: int) -> None:
+        if name not in ("write_through", "write_through_selective", "write_back"):
+            raise ValueError(f"unknown hicache_write_policy {name!r}")
+        self.name = name
+        self.threshold = 2 if name == "write_through_selective" else 1
+        self._counter = HitCounter(counter_capacity) if self.threshold > 1 else None
+
+    @property
+    def stores_on_compute(self) -> bool:
+        return self.name != "write_back"
+
+    def record_use(self, hashes: Iterable[bytes]) -> None:
+        if self._counter is not None:
+            self._counter.record(hashes)
+
+    def should_store(self, block_hash: bytes) -> bool:
+        if self._counter is None:
+            return self.stores_on_compute
+        return self._counter.count(block_hash) >= self.threshold
+
+    def clear(self) -> None:
+        if self._counter is not None:
+            self._counter.clear()
