@@ -15,12 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hicache.policy.eviction import EVICTION_POLICIES
+from vllm_hicache.policy.write import WRITE_POLICIES
+
 logger = logging.getLogger(__name__)
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 IO_BACKENDS = ("kernel", "direct")
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority")
 LOAD_MODES = ("layerwise", "async")
 
 # Keys of the L3 tier. They are reserved, not ignored: until the storage tier

@@ -70,7 +70,8 @@ def test_registry_lists_sglang_names() -> None:
 
 
 def test_unknown_policy_names_the_accepted_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown radix_eviction_policy 'lru2'; accepted: lru, lfu"):
+    expected = r"unknown radix_eviction_policy 'lru2'; accepted: lru, lfu, fifo"
+    with pytest.raises(ValueError, match=expected):
         make_eviction_policy("lru2")
 
 

@@ -46,6 +46,7 @@ class HiCacheWorker:
         self._layer_events: dict[int, object] = {}
         self._store_done = None
         self._async: AsyncLoader | None = None
+        self._evicted_for: HiCacheMetadata | None = None
 
     # --- set-up ------------------------------------------------------------
 
@@ -92,13 +93,19 @@ class HiCacheWorker:
     # --- per step ----------------------------------------------------------
 
     def handle_preemptions(self, meta: HiCacheMetadata) -> None:
+        """Runs before the step's forward can overwrite any block."""
         self._wait_stores_on_compute()
-        if meta.evict_stores:
-            # The reused blocks are overwritten by this step's forward.
-            self._run_on_stream(self.transfer.store, meta.evict_stores)
+        if meta.evict_stores and self._evicted_for is not meta:
+            # Write-back: these blocks were just handed to new requests. Their
+            # KV may come from a forward still in flight, hence after_compute.
+            self._run_on_stream(self.transfer.store, meta.evict_stores, after_compute=True)
             self._wait_stores_on_compute(record_now=True)
+        self._evicted_for = meta
 
     def bind(self, meta: HiCacheMetadata) -> None:
+        if self._evicted_for is not meta:
+            # A runner that skips handle_preemptions: still copy first.
+            self.handle_preemptions(meta)
         self._meta = meta
         self._pending_layers = set(range(self.geom.num_layers)) if meta.loads else set()
         self._layer_events = {}
@@ -137,7 +144,8 @@ class HiCacheWorker:
             self._pending_layers.clear()
         if meta.stores:
             self._run_on_stream(self.transfer.store, meta.stores, after_compute=True)
-            self._store_done = self._record_event()
+            if self._stream is not None:
+                self._store_done = self._record_event()
 
     def _load_layer(self, layer: int) -> None:
         for job in self._meta.loads:

@@ -53,6 +53,10 @@ class BlockOrder:
 
     def __post_init__(self) -> None:
         assert len(self.dims) == 5 and len(self.strides) == 5, self
+        # A size-1 axis's stride is arbitrary; zero it so that equal orders
+        # compare equal whatever their source wrote there.
+        strides = tuple(s if n > 1 else 0 for s, n in zip(self.strides, self.dims))
+        object.__setattr__(self, "strides", strides)
         covered = sorted((s, n) for s, n in zip(self.strides, self.dims) if n > 1)
         extent = 1
         for stride, size in covered:

@@ -18,18 +18,21 @@ Mutations happen only in the scheduler half, single-threaded. Pure module.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable, Sequence
 
-from vllm_hicache.index.free_pages import FreePages
-from vllm_hicache.index.integrity import check_index
 from vllm_hicache.index.node import LockHandle, MatchResult, RadixNode
+from vllm_hicache.index.tree_pages import TreePages
 from vllm_hicache.policy.eviction import EvictionPolicy
 
 
 def _common_len(key: list[bytes], hashes: Sequence[bytes], start: int, stop: int) -> int:
     """Blocks shared by ``key`` and ``hashes[start:stop]``; key[0] already matched."""
+    end = start + len(key)
+    # Chained hashes: an equal last hash means the whole run matches, so a
+    # fully matched node costs one compare instead of one per block.
+    if end <= stop and key[-1] == hashes[end - 1]:
+        return len(key)
     limit = min(len(key), stop - start)
     j = 1
     while j < limit and key[j] == hashes[start + j]:
@@ -46,12 +49,15 @@ def _same_kind_run(pages: Sequence[int | None], start: int, stop: int) -> int:
     return j - start
 
 
-class HiRadixTree:
-    """Metadata of the L2 pool: match, insert, lock, alloc/evict.
+class HiRadixTree(TreePages):
+    """Metadata of the L2 pool: match, insert, lock/unlock, alloc/free, evict.
 
-    Called by the scheduler half only. ``on_evict(hashes)`` is called once per
+    Called by the scheduler half only; ``match`` is side-effect free, every
+    other method may mutate. Page accounting and eviction (``alloc``,
+    ``free``, ``evict``, ``clear``, ``check_integrity`` and the ``num_*``
+    sizes) come from ``TreePages``. ``on_evict(hashes)`` is called once per
     ``evict``/``alloc`` that evicted something, with the evicted blocks'
-    hashes (not by ``clear``: the caller resets its own state there).
+    hashes; ``clear`` does not call it (the caller resets its own state).
     """
 
     def __init__(
@@ -61,38 +67,7 @@ class HiRadixTree:
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[list[bytes]], None] | None = None,
     ) -> None:
-        if num_pages < 0:
-            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
-        self._num_pages = num_pages
-        self.policy = policy
-        self._clock = clock
-        self._on_evict = on_evict
-        self._free = FreePages(num_pages)
-        # The root is host-backed with no blocks, so it never looks like a
-        # placeholder; it is never locked, evicted or a member of _leaves.
-        self._root = RadixNode(None, [], [], clock())
-        # Host-backed non-root nodes without children: the eviction candidates.
-        self._leaves: set[RadixNode] = set()
-        self._num_cached_pages = 0
-        self._num_locked_pages = 0
-
-    # --- sizes ----------------------------------------------------------
-
-    @property
-    def num_pages(self) -> int:
-        return self._num_pages
-
-    @property
-    def num_free_pages(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_cached_pages(self) -> int:
-        return self._num_cached_pages
-
-    @property
-    def num_locked_pages(self) -> int:
-        return self._num_locked_pages
+        super().__init__(num_pages, policy, clock, on_evict)
 
     # --- lookup ---------------------------------------------------------
 
@@ -104,21 +79,14 @@ class HiRadixTree:
             node = node.children.get(hashes[i])  # type: ignore[assignment]
             if node is None:
                 break
-            key = node.key
-            end = i + len(key)
-            # Chained hashes: an equal last hash means the whole run matches,
-            # so a full node costs one compare instead of one per block.
-            if end <= n and key[-1] == hashes[end - 1]:
-                j = len(key)
-            else:
-                j = _common_len(key, hashes, i, n)
+            j = _common_len(node.key, hashes, i, n)
             if node.pages is None:
                 pages.extend([None] * j)
             else:
-                pages.extend(node.pages if j == len(key) else node.pages[:j])
-            if j < len(key):
+                pages.extend(node.pages if j == len(node.key) else node.pages[:j])
+            if j < len(node.key):
                 break
-            i = end
+            i += j
         return MatchResult(pages)
 
     def _path(self, hashes: Sequence[bytes], num_blocks: int) -> tuple[list[RadixNode], int]:
@@ -187,27 +155,6 @@ class HiRadixTree:
         if deepest.pages is None and not deepest.children and deepest.lock_ref == 0:
             self._detach(deepest)
 
-    # --- pages ----------------------------------------------------------
-
-    def alloc(self, num_pages: int) -> list[int] | None:
-        """Take ``num_pages`` free pages, evicting if short; None if still short.
-
-        Pages evicted by a failed alloc stay evicted. The caller must
-        ``insert`` or ``free`` every page it gets.
-        """
-        if num_pages < 0:
-            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
-        short = num_pages - len(self._free)
-        if short > 0:
-            self.evict(short)
-            if len(self._free) < num_pages:
-                return None
-        return self._free.take(num_pages)
-
-    def free(self, pages: Sequence[int]) -> None:
-        """Give back pages from ``alloc`` that were never inserted."""
-        self._free.give_back(pages)
-
     # --- insert ---------------------------------------------------------
 
     def insert(
@@ -256,17 +203,6 @@ class HiRadixTree:
                 f"insert() pages must be distinct and allocated; not allocated: {bad}"
             )
 
-    def _fill(self, node: RadixNode, pages: Sequence[int | None], now: float) -> None:
-        """A placeholder's blocks got pages: it becomes host-backed."""
-        node.pages = list(pages)  # type: ignore[arg-type]
-        self._free.claim(node.pages)
-        self._num_cached_pages += len(node.pages)
-        if node.lock_ref:
-            self._num_locked_pages += len(node.pages)
-        node.creation_time = now
-        if not node.children:  # a locked placeholder whose children were evicted
-            self._leaves.add(node)
-
     def _add_chain(
         self,
         parent: RadixNode,
@@ -286,119 +222,12 @@ class HiRadixTree:
         node, i = parent, start
         while i < stop:
             m = _same_kind_run(pages, i, stop)
-            run = None if pages[i] is None else list(pages[i : i + m])
-            child = RadixNode(node, list(hashes[i : i + m]), run, now, priority)  # type: ignore[arg-type]
-            node.children[child.key[0]] = child
-            if run is not None:
-                self._free.claim(run)  # type: ignore[arg-type]
+            run: list[int] | None = None
+            if pages[i] is not None:
+                run = list(pages[i : i + m])  # type: ignore[arg-type]
+                self._free.claim(run)
                 self._num_cached_pages += m
+            child = RadixNode(node, list(hashes[i : i + m]), run, now, priority)
+            node.children[child.key[0]] = child
             node, i = child, i + m
         self._leaves.add(node)
-
-    # --- eviction -------------------------------------------------------
-
-    def evict(self, num_pages: int) -> int:
-        """Free up to ``num_pages`` pages from unlocked leaves; return how many.
-
-        Leaves leave in policy order (smallest key first); a parent that
-        becomes a leaf joins the heap. The last leaf is trimmed from its tail
-        so no more than ``num_pages`` are freed.
-        """
-        if num_pages <= 0:
-            return 0
-        key = self.policy.priority
-        heap = [(key(n), n.id, n) for n in self._leaves if n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed, hashes = 0, []
-        while freed < num_pages and heap:
-            node = heapq.heappop(heap)[2]
-            need = num_pages - freed
-            if len(node.pages) > need:  # type: ignore[arg-type]
-                freed += self._trim_tail(node, need, hashes)
-                break
-            freed += self._drop_pages(node, hashes)
-            exposed = self._detach(node)
-            if exposed is not None and exposed.lock_ref == 0:
-                heapq.heappush(heap, (key(exposed), exposed.id, exposed))
-        if hashes and self._on_evict is not None:
-            self._on_evict(hashes)
-        return freed
-
-    def _trim_tail(self, node: RadixNode, num_blocks: int, hashes: list[bytes]) -> int:
-        pages = node.pages
-        assert pages is not None and 0 < num_blocks < len(pages), node
-        self._free.push(pages[-num_blocks:])
-        hashes.extend(node.key[-num_blocks:])
-        del pages[-num_blocks:]
-        del node.key[-num_blocks:]
-        self._num_cached_pages -= num_blocks
-        return num_blocks
-
-    def _drop_pages(self, node: RadixNode, hashes: list[bytes]) -> int:
-        """Free a whole host-backed leaf's pages (the node is then detached)."""
-        pages = node.pages
-        assert pages is not None and not node.children and node.lock_ref == 0, node
-        self._leaves.remove(node)
-        self._free.push(pages)
-        hashes.extend(node.key)
-        self._num_cached_pages -= len(pages)
-        return len(pages)
-
-    def _detach(self, node: RadixNode) -> RadixNode | None:
-        """Unlink a childless node, pruning placeholders that become childless.
-
-        Returns the host-backed ancestor that became a leaf, if any.
-        """
-        while True:
-            parent = node.parent
-            assert parent is not None and not node.children, node
-            del parent.children[node.key[0]]
-            node.parent = None
-            if parent is self._root or parent.children:
-                return None
-            if parent.pages is not None:
-                self._leaves.add(parent)
-                return parent
-            if parent.lock_ref:  # pruned later, by unlock
-                return None
-            node = parent
-
-    def clear(self) -> None:
-        """Drop every unlocked node (reset_cache); locked paths stay."""
-        freed: list[int] = []
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
-            for child in list(node.children.values()):
-                if child.lock_ref:
-                    stack.append(child)
-                else:
-                    del node.children[child.key[0]]
-                    self._drop_subtree(child, freed)
-            if node is not self._root and not node.children and node.pages is not None:
-                self._leaves.add(node)
-        self._free.push(freed)
-        self._num_cached_pages -= len(freed)
-
-    def _drop_subtree(self, top: RadixNode, freed: list[int]) -> None:
-        top.parent = None
-        stack = [top]
-        while stack:
-            node = stack.pop()
-            if node.pages is not None:
-                freed.extend(node.pages)
-                self._leaves.discard(node)
-            stack.extend(node.children.values())
-
-    # --- checks ---------------------------------------------------------
-
-    def check_integrity(self) -> None:
-        """Raise RuntimeError, with the numbers, if any invariant is broken."""
-        check_index(
-            self._root,
-            self._free,
-            self._leaves,
-            num_pages=self._num_pages,
-            num_cached_pages=self._num_cached_pages,
-            num_locked_pages=self._num_locked_pages,
-        )

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
 
 class HitCounter:
     """Bounded LRU map block hash -> number of requests that used the block."""
@@ -49,8 +51,10 @@ class WritePolicy:
     """
 
     def __init__(self, name: str, counter_capacity: int) -> None:
-        if name not in ("write_through", "write_through_selective", "write_back"):
-            raise ValueError(f"unknown hicache_write_policy {name!r}")
+        if name not in WRITE_POLICIES:
+            raise ValueError(
+                f"unknown hicache_write_policy {name!r}; accepted: {', '.join(WRITE_POLICIES)}"
+            )
         self.name = name
         self.threshold = 2 if name == "write_through_selective" else 1
         self._counter = HitCounter(counter_capacity) if self.threshold > 1 else None

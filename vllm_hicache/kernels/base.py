@@ -1,0 +1,186 @@
+"""The L1 <-> L2 copy interface and its factory.
+
+``KVTransfer`` moves whole blocks between vLLM's KV tensors (L1) and the
+host pool (L2). Ids are paired by position: ``block_ids[i]`` <->
+``page_ids[i]``. Every layer of a block is copied unless the method says
+otherwise. A transfer object is created once per worker, in
+``register_kv_caches``.
+
+Ordering: on CUDA each call is queued on the caller's *current* stream and
+returns without waiting; calls on one stream run in call order. To overlap
+copies with the forward, the caller runs them under
+``torch.cuda.stream(transfer_stream)`` after
+``transfer_stream.wait_stream(compute_stream)`` (so a store sees the
+forward's KV and a load never races kernels still reading a block's old
+contents), and makes the compute stream wait (``wait_layer`` or its own
+events) before reading loaded blocks. On CPU every call is synchronous.
+Calls touching disjoint blocks and pages may come from different threads
+(the CPU async loader does): transfers keep no per-call state.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from vllm_hicache.host.pool import HostKVPool
+from vllm_hicache.kernels.device_layout import DeviceKVLayout
+
+logger = logging.getLogger(__name__)
+
+IO_BACKENDS = ("kernel", "direct")
+
+
+class KVTransfer(ABC):
+    """Copies KV blocks between the L1 tensors and a ``HostKVPool``.
+
+    Constructed with the per-layer L1 tensors in model order, their
+    ``DeviceKVLayout`` descriptors (one per layer, all equal but for the
+    data) and the pool; it never allocates pages (the radix tree does).
+    Source ranges are only read; destination blocks/pages not named in a
+    call are never written.
+    """
+
+    io_backend: str
+
+    @abstractmethod
+    def store(self, block_ids: Sequence[int], page_ids: Sequence[int]) -> None:
+        """Copy L1 blocks (all layers) into host pages (write-through after
+        the forward, write-back before vLLM reuses a block). Asynchronous
+        on CUDA: the blocks must not be overwritten, nor the pages read,
+        before ``synchronize``."""
+
+    @abstractmethod
+    def load(self, block_ids: Sequence[int], page_ids: Sequence[int]) -> None:
+        """Copy host pages into L1 blocks, all layers (loads between steps).
+        Asynchronous on CUDA; ``synchronize`` before the blocks are read."""
+
+    @abstractmethod
+    def load_layer(
+        self, layer_index: int, block_ids: Sequence[int], page_ids: Sequence[int]
+    ) -> None:
+        """Copy host pages into L1 blocks for one layer (layerwise loading:
+        issued from ``start_load_kv``, overlapped with the forward; the
+        attention of that layer calls ``wait_layer`` first)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling thread until every issued copy has finished
+        (a no-op on CPU, where copies are synchronous)."""
+
+    def wait_layer(self, layer_index: int) -> None:
+        """Make the caller's next work wait for ``load_layer(layer_index)``.
+        Default: wait for everything."""
+        self.synchronize()
+
+
+class CopyTracker:
+    """Completion tracking for copies queued on the caller's CUDA stream.
+
+    Copies are issued on whatever stream is current when a transfer method is
+    called: the caller picks it (the worker runs them on its transfer stream,
+    after making that stream wait for the compute stream). An event recorded
+    after each call serves ``synchronize`` and ``wait_layer``. On CPU copies
+    are synchronous and every method is a no-op.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.is_async = device.type == "cuda"
+        # Latest event per stream: waiting for it covers all earlier copies.
+        self._last: dict[int, torch.cuda.Event] = {}
+        self._layer_events: dict[int, torch.cuda.Event] = {}
+
+    @contextmanager
+    def issue(self) -> Iterator[None]:
+        """Wrap one transfer call; record its completion event afterwards."""
+        yield
+        if self.is_async:
+            stream = torch.cuda.current_stream()
+            self._last[stream.stream_id] = self._record(stream)
+
+    def mark_layer(self, layer_index: int) -> None:
+        """Remember when ``load_layer(layer_index)``'s copies are done."""
+        if self.is_async:
+            self._layer_events[layer_index] = self._record(torch.cuda.current_stream())
+
+    @staticmethod
+    def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait_layer(self, layer_index: int) -> None:
+        event = self._layer_events.pop(layer_index, None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def synchronize(self) -> None:
+        for event in self._last.values():
+            event.synchronize()
+        self._last.clear()
+        self._layer_events.clear()
+
+
+def check_ids(
+    block_ids: Sequence[int], page_ids: Sequence[int], num_blocks: int, num_pages: int
+) -> None:
+    assert len(block_ids) == len(page_ids), (len(block_ids), len(page_ids))
+    if block_ids:
+        assert 0 <= min(block_ids) and max(block_ids) < num_blocks, (block_ids, num_blocks)
+        assert 0 <= min(page_ids) and max(page_ids) < num_pages, (page_ids, num_pages)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    # logging has no warning_once; a fallback is worth exactly one line.
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+def make_transfer(
+    io_backend: str,
+    kv_caches: Sequence[torch.Tensor],
+    layouts: Sequence[DeviceKVLayout],
+    pool: HostKVPool,
+) -> KVTransfer:
+    """Build the copy engine named by ``hicache_io_backend``.
+
+    ``kernel`` needs CUDA L1 tensors and a pinned pool; without them it
+    falls back to ``direct`` with one warning per process.
+    """
+    from vllm_hicache.kernels.direct import DirectTransfer
+
+    if io_backend not in IO_BACKENDS:
+        raise ValueError(
+            f"unknown hicache_io_backend {io_backend!r}; accepted: {', '.join(IO_BACKENDS)}"
+        )
+    if io_backend == "direct":
+        return DirectTransfer(kv_caches, layouts, pool)
+    missing = _kernel_prerequisite_missing(kv_caches, pool)
+    if missing:
+        _warn_once(
+            f"hicache_io_backend=kernel needs {missing}; using the direct (torch copy) backend"
+        )
+        return DirectTransfer(kv_caches, layouts, pool)
+    from vllm_hicache.kernels.kernel_transfer import KernelTransfer
+
+    return KernelTransfer(kv_caches, layouts, pool)
+
+
+def _kernel_prerequisite_missing(kv_caches: Sequence[torch.Tensor], pool: HostKVPool) -> str:
+    """What the kernel backend lacks here ('' when nothing)."""
+    if not (torch.cuda.is_available() and kv_caches[0].device.type == "cuda"):
+        return "CUDA KV tensors"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton, which is not installed"
+    if not pool.is_pinned:
+        return "a pinned host pool"
+    return ""
