@@ -7,7 +7,7 @@ every step with a ``ModelRunnerOutput`` whose ``KVConnectorOutput`` marks this
 step's transfers complete, as a fast worker would:
 
 * HiCache, ``hicache_load_mode=layerwise`` (default): loads finish inside the
-  step, nothing to report. With ``--hicache-load-mode async`` the step's
+  step, nothing to report. With ``--hicache-load-modes async`` the step's
   ``async_loads`` requests are reported in ``finished_recving``.
 * OffloadingConnector: every load/store job of the step is reported in an
   ``OffloadingWorkerMetadata.completed_jobs`` (count 1 = world size), and the
@@ -17,12 +17,15 @@ Only the time spent inside the connector's scheduler-side methods is measured
 (each method on ``scheduler.connector`` is wrapped by a perf_counter
 accumulator); ``schedule()`` + ``update_from_output()`` are timed as context.
 
-Trace: 64 concurrent requests of 4096 prompt tokens, 8 prefix groups sharing
-3072 tokens, unique 1024-token suffixes, 4 decode tokens. Round 0 is a warm-up
-(cold: stores only) and is excluded. Before every later round vLLM's prefix
-cache is reset (``reset_prefix_cache()``, connector untouched), so the prefixes
-come back from the connector's CPU tier. Odd rounds use fresh suffixes (3072
-of 4096 tokens hit), even rounds repeat the previous round exactly (4080 hit).
+Trace (defaults): 64 concurrent requests of 4096 prompt tokens, 8 prefix groups
+sharing 3072 tokens, unique 1024-token suffixes, 8 decode tokens, block 16,
+max_num_batched_tokens 2048. Round 0 is a warm-up (cold: stores only) and is
+excluded. Before every later round vLLM's prefix cache is reset
+(``reset_prefix_cache()``, connector untouched), so prefixes come back from the
+connector's CPU tier. Odd rounds use fresh suffixes (3072 of 4096 tokens can
+hit), even rounds repeat the previous round exactly. The script exits 1 if a
+connector loads nothing in a timed round. Each configuration runs ``--repeat``
+times (interleaved); the run with the median connector total is reported.
 
     .venv/bin/python benchmarks/bench_scheduler.py --model .cache/tiny-llama
 """
@@ -304,7 +307,8 @@ def run(args, trace: Trace, name: str, kind: str, connector: str, extra: dict,
             sched.add_request(Request(req_id, tokens, sp, None, block_hasher=hasher))
         while sched.has_unfinished_requests():
             if stats.steps >= args.max_steps_per_round:
-                raise RuntimeError(f"{name}: round {r} did not finish in {args.max_steps_per_round} steps")
+                raise RuntimeError(
+                    f"{name}: round {r} did not finish in {args.max_steps_per_round} steps")
             t0 = perf()
             so = sched.schedule()
             t1 = perf()
@@ -367,7 +371,8 @@ def summarize(res: RunResult) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(REPO / ".cache" / "tiny-llama"),
-                   help="local model dir (config.json + tokenizer; built by examples/tiny_model.py)")
+                   help="local model dir (config.json + tokenizer; "
+                        "built by examples/tiny_model.py)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--prefix-len", type=int, default=3072)
@@ -427,7 +432,8 @@ def main() -> int:
         extra = {"hicache_io_backend": "direct", "hicache_ratio": args.hicache_ratio,
                  "hicache_load_mode": m}
         configs.append((f"HiCache[{m}]", "hicache", "HiCacheConnector", extra, "vllm_hicache"))
-    configs.append(("OffloadingConnector", "offloading", "OffloadingConnector", offload_extra, None))
+    configs.append(
+        ("OffloadingConnector", "offloading", "OffloadingConnector", offload_extra, None))
     for name, _, _, extra, _ in configs:
         print(f"# {name} extra config: {extra}")
 

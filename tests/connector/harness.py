@@ -45,6 +45,8 @@ class Harness:
     steps: int = 0
     # One entry per loaded block: did it hold exactly the KV computed for it?
     load_checks: list[bool] = field(default_factory=list)
+    # Tokens a request had computed (local + L2 hit) when first scheduled.
+    first_computed: dict[str, int] = field(default_factory=dict)
 
     @property
     def sched_half(self):
@@ -65,6 +67,8 @@ class Harness:
 
     def step(self, complete_async: bool = True):
         so = self.scheduler.schedule()
+        for new in so.scheduled_new_reqs:
+            self.first_computed.setdefault(new.req_id, new.num_computed_tokens)
         meta = so.kv_connector_metadata
         w = self.worker
         w.handle_preemptions(meta)

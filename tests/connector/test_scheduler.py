@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from tests.connector.harness import BLOCK, make_harness
@@ -41,14 +43,14 @@ def test_hit_after_l1_reset_loads_exact_bytes(tiny_model_dir, load_mode):
     h.run()
     assert h.scheduler.reset_prefix_cache()
     h.kv_zero()
-    req = h.add("b", tokens)
+    h.add("b", tokens)
     so = h.step()
     if load_mode == "async":
         assert so.num_scheduled_tokens.get("b") is None  # waits for its load
     h.run()
     assert h.sched_half.stats.loaded_blocks == 4
     assert h.load_checks and all(h.load_checks)
-    assert req.num_cached_tokens == 4 * BLOCK
+    assert h.first_computed['b'] == 4 * BLOCK
     assert_clean(h)
 
 
@@ -58,9 +60,9 @@ def test_never_claims_the_last_token(tiny_model_dir):
     h.add("a", tokens)
     h.run()
     h.scheduler.reset_prefix_cache()
-    req = h.add("b", tokens)
+    h.add("b", tokens)
     h.run()
-    assert req.num_cached_tokens == 3 * BLOCK
+    assert h.first_computed['b'] == 3 * BLOCK
     assert all(h.load_checks)
 
 
@@ -74,10 +76,10 @@ def test_partial_l2_hit_after_l1_hit(tiny_model_dir):
     h.add("short", long[: 2 * BLOCK + 1])  # loads 2 blocks from L2 into L1
     h.run()
     loaded_before = h.sched_half.stats.loaded_blocks
-    req = h.add("b", long)
+    h.add("b", long)
     h.run()
     assert h.sched_half.stats.loaded_blocks - loaded_before == 4
-    assert req.num_cached_tokens == 6 * BLOCK
+    assert h.first_computed['b'] == 6 * BLOCK
     assert all(h.load_checks)
     assert_clean(h)
 
@@ -92,9 +94,9 @@ def test_selective_write_needs_second_use(tiny_model_dir):
     h.run()
     assert h.sched_half.tree.num_cached_pages == 3
     h.scheduler.reset_prefix_cache()
-    req = h.add("c", tokens)
+    h.add("c", tokens)
     h.run()
-    assert req.num_cached_tokens == 3 * BLOCK
+    assert h.first_computed['c'] == 3 * BLOCK
     assert all(h.load_checks)
 
 
@@ -108,9 +110,9 @@ def test_write_back_stores_only_on_l1_eviction(tiny_model_dir):
         h.add(f"x{i}", prompt(100 + i, 5 * BLOCK + 1))
         h.run()
     assert h.sched_half.stats.stored_blocks > 0
-    req = h.add("b", first)
+    h.add("b", first)
     h.run()
-    assert req.num_cached_tokens == 4 * BLOCK
+    assert h.first_computed['b'] == 4 * BLOCK
     assert h.load_checks and all(h.load_checks)
     assert_clean(h)
 
@@ -123,9 +125,9 @@ def test_write_back_on_prefix_cache_reset(tiny_model_dir):
     assert h.scheduler.reset_prefix_cache()
     h.step()  # the write-back copies run before any block is reused
     assert h.sched_half.tree.num_cached_pages == 3
-    req = h.add("b", tokens)
+    h.add("b", tokens)
     h.run()
-    assert req.num_cached_tokens == 3 * BLOCK
+    assert h.first_computed['b'] == 3 * BLOCK
     assert all(h.load_checks)
 
 
@@ -140,9 +142,9 @@ def test_eviction_pressure_keeps_tree_consistent(tiny_model_dir):
     assert stats.evicted_pages > 0
     assert h.sched_half.tree.num_cached_pages <= h.sched_half.num_pages
     h.scheduler.reset_prefix_cache()
-    req = h.add("again", prompt(211, 5 * BLOCK + 2))  # the most recent prompt
+    h.add("again", prompt(211, 5 * BLOCK + 2))  # the most recent prompt
     h.run()
-    assert req.num_cached_tokens == 5 * BLOCK
+    assert h.first_computed['again'] == 5 * BLOCK
     assert all(h.load_checks)
     assert_clean(h)
 
@@ -166,10 +168,23 @@ def test_abort_during_async_load_releases_pins(tiny_model_dir):
     h.add("a", tokens)
     h.run()
     h.scheduler.reset_prefix_cache()
+    transfer = h.worker.worker.transfer
+    release = threading.Event()
+    real_load = transfer.load
+
+    def slow_load(block_ids, page_ids):
+        assert release.wait(timeout=10)
+        real_load(block_ids, page_ids)
+
+    transfer.load = slow_load
     h.add("b", tokens)
     h.step(complete_async=False)
     assert h.sched_half._async_locks  # the load is in flight, pages pinned
     h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    h.step(complete_async=False)
+    assert "b" in h.scheduler.requests  # vLLM keeps its blocks until the load ends
+    assert h.sched_half._async_locks
+    release.set()
     h.run()
     for _ in range(3):
         h.step()
@@ -185,6 +200,30 @@ def test_reset_cache_clears_l2(tiny_model_dir):
     assert h.scheduler.connector.reset_cache() is True
     assert h.sched_half.tree.num_cached_pages == 0
     h.scheduler.reset_prefix_cache()
-    req = h.add("b", prompt(9, 3 * BLOCK + 1))
+    h.add("b", prompt(9, 3 * BLOCK + 1))
     h.run()
-    assert req.num_cached_tokens == 0
+    assert h.first_computed['b'] == 0
+
+
+def test_async_shared_prefix_is_loaded_once(tiny_model_dir):
+    """Scenario: two requests share a 4-block L2 prefix and arrive together
+    in async mode. The second waits for the first's load, then hits vLLM's
+    own prefix cache instead of loading the same pages again."""
+    h = make_harness(tiny_model_dir, hicache_load_mode="async")
+    shared = prompt(10, 4 * BLOCK)
+    h.add("a", shared + [1, 2, 3])
+    h.run()
+    h.scheduler.reset_prefix_cache()
+    h.add("b", shared + [4, 5, 6])
+    h.add("c", shared + [7, 8, 9])
+    h.run()
+    assert h.sched_half.stats.loaded_blocks == 4
+    assert h.first_computed["c"] == 4 * BLOCK
+    assert all(h.load_checks)
+    assert not h.sched_half._loading
+    assert_clean(h)
+
+
+def test_pool_that_does_not_fit_fails_before_allocating(tiny_model_dir):
+    with pytest.raises(ValueError, match="does not fit"):
+        make_harness(tiny_model_dir, hicache_size=100_000)

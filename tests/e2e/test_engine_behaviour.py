@@ -25,8 +25,11 @@ def reference(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    """One engine for the module: layer_first, write_through, layerwise."""
+def llm(tiny_model_dir, reference):
+    """One engine for the module: layer_first, write_through, layerwise.
+
+    Depends on ``reference`` so that engine (without a connector) runs first:
+    vLLM keeps the worker-side connector in a process-wide global."""
     engine = make_llm(tiny_model_dir, {"hicache_io_backend": "direct", "hicache_ratio": 4})
     yield engine
     close(engine)

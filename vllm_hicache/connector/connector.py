@@ -47,7 +47,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.scheduler: HiCacheScheduler | None = None
         self.worker: HiCacheWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = HiCacheScheduler(cfg, geom)
+            parallel = vllm_config.parallel_config
+            self.scheduler = HiCacheScheduler(cfg, geom, parallel.local_world_size)
         else:
             self.worker = HiCacheWorker(cfg, geom, vllm_config)
 

@@ -30,6 +30,7 @@ from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.metadata import BlockCopy, HiCacheMetadata, LoadJob, merge_copies
 from vllm_hicache.connector.stats import HiCacheStats
 from vllm_hicache.connector.write_back import WriteBackWatcher
+from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import loadable_block_limit
 from vllm_hicache.policy import make_eviction_policy
@@ -56,10 +57,13 @@ class _ReqState:
 
 
 class HiCacheScheduler:
-    def __init__(self, cfg: HiCacheConfig, geom: KVGeometry) -> None:
+    def __init__(self, cfg: HiCacheConfig, geom: KVGeometry, local_ranks: int = 1) -> None:
         self.cfg = cfg
         self.block_size = geom.block_size
         self.num_pages = host_num_pages(cfg, geom)
+        # Every rank on this host allocates its own pool: refuse before the
+        # tree (or any worker) allocates anything.
+        check_fits(self.num_pages * geom.bytes_per_block * local_ranks)
         self.tree = HiRadixTree(
             self.num_pages,
             make_eviction_policy(cfg.radix_eviction_policy),
@@ -77,6 +81,11 @@ class HiCacheScheduler:
         self._step_locks: list[object] = []
         self._prev_step_locks: list[object] = []
         self._async_locks: dict[str, object] = {}
+        # Block hash -> number of in-flight async loads of it. vLLM indexes an
+        # async-loaded block only once its load ends, so a second request
+        # asking meanwhile would load the same pages again: it waits instead.
+        self._loading: dict[bytes, int] = {}
+        self._loading_by_req: dict[str, list[bytes]] = {}
         self._write_back: WriteBackWatcher | None = None
         self._evict_pairs: list[tuple[int, int]] = []
         logger.info(
@@ -89,10 +98,12 @@ class HiCacheScheduler:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         pages = self._hit_pages(request, num_computed_tokens)
         if not pages:
             return 0, False
+        if self._loading and self._overlaps_inflight_load(request, num_computed_tokens, len(pages)):
+            return None, False
         self._local_hit_tokens[request.request_id] = num_computed_tokens
         return len(pages) * self.block_size, self.load_async
 
@@ -102,6 +113,11 @@ class HiCacheScheduler:
         if limit <= start:
             return []
         return self.tree.match(request.block_hashes[:limit]).host_run(start)
+
+    def _overlaps_inflight_load(self, request: Request, start_tokens: int, num_blocks: int) -> bool:
+        start = start_tokens // self.block_size
+        hashes = request.block_hashes[start : start + num_blocks]
+        return any(h in self._loading for h in hashes)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -123,6 +139,7 @@ class HiCacheScheduler:
         if self.load_async:
             self._step_async_loads.append(job)
             self._async_locks[req_id] = lock
+            self._mark_loading(req_id, hashes[start:])
         else:
             self._step_loads.append(job)
             self._step_locks.append(lock)
@@ -228,11 +245,25 @@ class HiCacheScheduler:
 
     # --- completions, lifecycle ------------------------------------------
 
+    def _mark_loading(self, req_id: str, hashes) -> None:
+        self._loading_by_req[req_id] = list(hashes)
+        for h in hashes:
+            self._loading[h] = self._loading.get(h, 0) + 1
+
+    def _unmark_loading(self, req_id: str) -> None:
+        for h in self._loading_by_req.pop(req_id, ()):
+            left = self._loading[h] - 1
+            if left:
+                self._loading[h] = left
+            else:
+                del self._loading[h]
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
             lock = self._async_locks.pop(req_id, None)
             if lock is not None:
                 self.tree.unlock(lock)
+            self._unmark_loading(req_id)
         if output.invalid_block_ids:
             self.stats.record_load_errors(len(output.invalid_block_ids))
 
