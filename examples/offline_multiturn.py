@@ -37,8 +37,8 @@ def make_llm(model: str, hicache: bool):
 
     return LLM(
         model=model, dtype="float32", block_size=32, enable_prefix_caching=True,
-        max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=1024,
-        enforce_eager=True, seed=0, kv_cache_memory_bytes=2 << 20,  # 64 blocks
+        max_model_len=768, max_num_seqs=8, max_num_batched_tokens=1024,
+        enforce_eager=True, seed=0, kv_cache_memory_bytes=1 << 20,  # 32 blocks
         distributed_executor_backend="uni", skip_tokenizer_init=True,
         kv_transfer_config=KVTransferConfig(**HICACHE) if hicache else None,
     )
@@ -82,7 +82,7 @@ def _report(turn: int, outs, sched, elapsed_ms: float) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_DIR))
-    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
     args = ap.parse_args()
     model = str(build_tiny_llama(args.model))
