@@ -39,10 +39,18 @@ def test_hybrid_model_refused_with_reason():
         geometry_from(kv_config(FULL, swa))
 
 
-def test_sliding_window_refused():
+def test_sliding_window_in_full_attention_spec_is_served():
+    """Without vLLM's hybrid allocator, windowed layers keep every token's KV."""
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
                              dtype=torch.bfloat16, sliding_window=128)
-    with pytest.raises(ValueError, match="sliding_window=128"):
+    assert geometry_from(kv_config(spec)).block_size == 32
+
+
+def test_non_attention_spec_refused():
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    spec = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(ValueError, match="full-attention and MLA KV caches only; got MambaSpec"):
         geometry_from(kv_config(spec))
 
 

@@ -34,7 +34,15 @@ def make_llm(model_dir, extra: dict | None = None, *, connector: bool = True,
         skip_tokenizer_init=True, kv_transfer_config=ktc,
     )
     params.update(kwargs)
-    return LLM(**params)
+    try:
+        return LLM(**params)
+    except BaseException:
+        # A start that failed after the worker connector was built would
+        # leave it in vLLM's global and poison the next engine.
+        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
+        raise
 
 
 def close(llm) -> None:

@@ -15,16 +15,6 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    llm = make_llm(tiny_model_dir, connector=False)
-    try:
-        outputs, _ = generate(llm, prompts_with_shared_prefix())
-    finally:
-        close(llm)
-    return outputs
-
-
-@pytest.fixture(scope="module")
 def llm(tiny_model_dir, reference):
     """One engine for the module: layer_first, write_through, layerwise.
 

@@ -24,16 +24,6 @@ WRITE_POLICIES = ["write_through", "write_through_selective", "write_back"]
 LOAD_MODES = ["layerwise", "async"]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    llm = make_llm(tiny_model_dir, connector=False)
-    try:
-        outputs, _ = generate(llm, prompts_with_shared_prefix())
-    finally:
-        close(llm)
-    return outputs
-
-
 @pytest.mark.parametrize(
     "layout, io_backend, write_policy, load_mode",
     list(itertools.product(LAYOUTS, IO_BACKENDS, WRITE_POLICIES, LOAD_MODES)),

@@ -48,12 +48,12 @@ def geometry_from(kv_cache_config: KVCacheConfig) -> KVGeometry:
             "models (sliding window + full, Mamba) are not supported yet."
         )
     spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec) or spec.sliding_window or spec.attention_chunk_size:
+    # A FullAttentionSpec may carry a sliding window (vLLM without its hybrid
+    # allocator): blocks then still hold every token's KV, so pages are exact.
+    if not isinstance(spec, FullAttentionSpec):
         raise ValueError(
-            "HiCacheConnector supports full attention and MLA KV caches only; "
-            f"got {type(spec).__name__} (sliding_window="
-            f"{getattr(spec, 'sliding_window', None)}, attention_chunk_size="
-            f"{getattr(spec, 'attention_chunk_size', None)})"
+            "HiCacheConnector supports full-attention and MLA KV caches only; "
+            f"got {type(spec).__name__}"
         )
     hash_block_size = kv_cache_config.hash_block_size
     if hash_block_size is not None and hash_block_size != spec.block_size:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
+from vllm_hicache.connector.inflight import InflightLoads
 from vllm_hicache.connector.metadata import BlockCopy, HiCacheMetadata, LoadJob, merge_copies
 from vllm_hicache.connector.stats import HiCacheStats
 from vllm_hicache.connector.write_back import WriteBackWatcher
@@ -80,12 +81,7 @@ class HiCacheScheduler:
         self._step_async_loads: list[LoadJob] = []
         self._step_locks: list[object] = []
         self._prev_step_locks: list[object] = []
-        self._async_locks: dict[str, object] = {}
-        # Block hash -> number of in-flight async loads of it. vLLM indexes an
-        # async-loaded block only once its load ends, so a second request
-        # asking meanwhile would load the same pages again: it waits instead.
-        self._loading: dict[bytes, int] = {}
-        self._loading_by_req: dict[str, list[bytes]] = {}
+        self._inflight = InflightLoads()
         self._write_back: WriteBackWatcher | None = None
         self._evict_pairs: list[tuple[int, int]] = []
         logger.info(
@@ -102,8 +98,9 @@ class HiCacheScheduler:
         pages = self._hit_pages(request, num_computed_tokens)
         if not pages:
             return 0, False
-        if self._loading and self._overlaps_inflight_load(request, num_computed_tokens, len(pages)):
-            return None, False
+        start = num_computed_tokens // self.block_size
+        if self._inflight.overlaps(request.block_hashes[start : start + len(pages)]):
+            return None, False  # ask again once that load has landed
         self._local_hit_tokens[request.request_id] = num_computed_tokens
         return len(pages) * self.block_size, self.load_async
 
@@ -113,11 +110,6 @@ class HiCacheScheduler:
         if limit <= start:
             return []
         return self.tree.match(request.block_hashes[:limit]).host_run(start)
-
-    def _overlaps_inflight_load(self, request: Request, start_tokens: int, num_blocks: int) -> bool:
-        start = start_tokens // self.block_size
-        hashes = request.block_hashes[start : start + num_blocks]
-        return any(h in self._loading for h in hashes)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -138,8 +130,7 @@ class HiCacheScheduler:
         job = LoadJob(req_id, BlockCopy(tuple(block_ids), tuple(pages)))
         if self.load_async:
             self._step_async_loads.append(job)
-            self._async_locks[req_id] = lock
-            self._mark_loading(req_id, hashes[start:])
+            self._inflight.start(req_id, lock, hashes[start:])
         else:
             self._step_loads.append(job)
             self._step_locks.append(lock)
@@ -245,25 +236,11 @@ class HiCacheScheduler:
 
     # --- completions, lifecycle ------------------------------------------
 
-    def _mark_loading(self, req_id: str, hashes) -> None:
-        self._loading_by_req[req_id] = list(hashes)
-        for h in hashes:
-            self._loading[h] = self._loading.get(h, 0) + 1
-
-    def _unmark_loading(self, req_id: str) -> None:
-        for h in self._loading_by_req.pop(req_id, ()):
-            left = self._loading[h] - 1
-            if left:
-                self._loading[h] = left
-            else:
-                del self._loading[h]
-
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
-            lock = self._async_locks.pop(req_id, None)
+            lock = self._inflight.finish(req_id)
             if lock is not None:
                 self.tree.unlock(lock)
-            self._unmark_loading(req_id)
         if output.invalid_block_ids:
             self.stats.record_load_errors(len(output.invalid_block_ids))
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+from vllm_hicache.config import MEM_LAYOUTS
+
 # Layouts whose rows keep the L1 tensor's native block order.
 NATIVE_LAYOUTS = ("layer_first", "page_first_direct")
 

@@ -28,12 +28,12 @@ from contextlib import contextmanager
 
 import torch
 
+from vllm_hicache.config import IO_BACKENDS
 from vllm_hicache.host.pool import HostKVPool
 from vllm_hicache.kernels.device_layout import DeviceKVLayout
 
 logger = logging.getLogger(__name__)
 
-IO_BACKENDS = ("kernel", "direct")
 
 
 class KVTransfer(ABC):
@@ -68,15 +68,17 @@ class KVTransfer(ABC):
         issued from ``start_load_kv``, overlapped with the forward; the
         attention of that layer calls ``wait_layer`` first)."""
 
-    @abstractmethod
+    # Set by implementations: records one event per issued copy.
+    _tracker: CopyTracker
+
     def synchronize(self) -> None:
         """Block the calling thread until every issued copy has finished
         (a no-op on CPU, where copies are synchronous)."""
+        self._tracker.synchronize()
 
     def wait_layer(self, layer_index: int) -> None:
-        """Make the caller's next work wait for ``load_layer(layer_index)``.
-        Default: wait for everything."""
-        self.synchronize()
+        """Make the caller's next work wait for ``load_layer(layer_index)``."""
+        self._tracker.wait_layer(layer_index)
 
 
 class CopyTracker:

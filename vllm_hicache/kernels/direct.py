@@ -83,14 +83,6 @@ class DirectTransfer(KVTransfer):
         self._copy(self._layer_pairs[layer_index], block_ids, page_ids, to_host=False)
         self._tracker.mark_layer(layer_index)
 
-    @override
-    def synchronize(self) -> None:
-        self._tracker.synchronize()
-
-    @override
-    def wait_layer(self, layer_index: int) -> None:
-        self._tracker.wait_layer(layer_index)
-
     def _copy(
         self,
         pairs: list[CopyPair],

@@ -111,14 +111,6 @@ class KernelTransfer(KVTransfer):
         self._copy(range(layer_index, layer_index + 1), block_ids, page_ids, to_host=False)
         self._tracker.mark_layer(layer_index)
 
-    @override
-    def synchronize(self) -> None:
-        self._tracker.synchronize()
-
-    @override
-    def wait_layer(self, layer_index: int) -> None:
-        self._tracker.wait_layer(layer_index)
-
     def _copy(
         self, layers: range, block_ids: Sequence[int], page_ids: Sequence[int], to_host: bool
     ) -> None:
