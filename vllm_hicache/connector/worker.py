@@ -206,5 +206,9 @@ class HiCacheWorker:
     def shutdown(self) -> None:
         if self._async is not None:
             self._async.shutdown()
+        if self.transfer is not None:
+            self.transfer.synchronize()
+        if self.pool is not None:
+            self.pool.close()
         self.pool = None
         self.transfer = None
