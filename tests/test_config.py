@@ -50,14 +50,18 @@ def test_unknown_key_lists_accepted_keys():
     assert "hicache_ratio" in str(err.value)
 
 
-@pytest.mark.parametrize(
-    "key",
-    ["hicache_storage_backend", "hicache_storage_prefetch_policy",
-     "hicache_storage_backend_extra_config"],
-)
-def test_l3_keys_rejected_until_implemented(key):
+def test_l3_backend_rejected_until_wired():
     with pytest.raises(ValueError, match="not supported yet") as err:
-        make_config(**{key: "file"})
+        make_config(hicache_storage_backend="file")
+    assert "hicache_storage_backend" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "key", ["hicache_storage_prefetch_policy", "hicache_storage_backend_extra_config"]
+)
+def test_l3_keys_need_a_backend(key):
+    with pytest.raises(ValueError, match="without hicache_storage_backend") as err:
+        make_config(**{key: "x"})
     assert key in str(err.value)
 
 

@@ -7,6 +7,7 @@ import textwrap
 PURE_MODULES = [
     "vllm_hicache",
     "vllm_hicache.config",
+    "vllm_hicache.storage_config",
     "vllm_hicache.keys",
     "vllm_hicache.index",
     "vllm_hicache.policy",

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hicache.storage_config import STORAGE_KEYS, StorageConfig, parse_storage
+
 from vllm_hicache.policy.eviction import EVICTION_POLICIES
 from vllm_hicache.policy.write import WRITE_POLICIES
 
@@ -23,14 +25,6 @@ logger = logging.getLogger(__name__)
 MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 IO_BACKENDS = ("kernel", "direct")
 LOAD_MODES = ("layerwise", "async")
-
-# Keys of the L3 tier. They are reserved, not ignored: until the storage tier
-# exists, setting one is an error rather than a silent no-op.
-_L3_KEYS = (
-    "hicache_storage_backend",
-    "hicache_storage_prefetch_policy",
-    "hicache_storage_backend_extra_config",
-)
 
 _GB = 1e9
 
@@ -55,6 +49,8 @@ class HiCacheConfig:
     # layerwise: loads overlap the forward, layer by layer; async: loads run
     # between steps while the request waits in WAITING_FOR_REMOTE_KVS.
     hicache_load_mode: str = "layerwise"
+    # The L3 tier, or None (hicache_storage_* keys; see StorageConfig).
+    storage: StorageConfig | None = None
 
     @property
     def host_bytes_override(self) -> int:
@@ -70,26 +66,16 @@ class HiCacheConfig:
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> HiCacheConfig:
         """Parse and validate ``kv_connector_extra_config``; the only entry point."""
         extra = dict(extra or {})
-        _reject_reserved(extra)
-        known = {f.name for f in dataclasses.fields(cls)}
+        storage = parse_storage({k: extra.pop(k) for k in STORAGE_KEYS if k in extra})
+        known = {f.name for f in dataclasses.fields(cls)} - {"storage"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
                 f"unknown kv_connector_extra_config key(s) {unknown}; "
-                f"accepted: {sorted(known)}"
+                f"accepted: {sorted(known | set(STORAGE_KEYS))}"
             )
         values = {name: _parse_field(name, value) for name, value in extra.items()}
-        return resolve_conflicts(cls(**values))
-
-
-def _reject_reserved(extra: Mapping[str, Any]) -> None:
-    for key in _L3_KEYS:
-        if key in extra:
-            raise ValueError(
-                f"kv_connector_extra_config key {key!r} (value {extra[key]!r}) "
-                "is not supported yet: the L3 storage tier is not implemented in "
-                "this version of vllm_hicache; remove the key"
-            )
+        return resolve_conflicts(cls(**values, storage=storage))
 
 
 def _parse_field(name: str, value: Any) -> Any:

@@ -1,0 +1,93 @@
+"""The L3 storage interface every backend implements.
+
+An L3 *object* holds one host page (one vLLM block of all layers, of this
+rank) plus a fixed-size header (see storage/format.py). Backends store opaque
+objects under string keys; they never interpret the bytes. An object is read
+and written as a short list of buffers whose concatenation is the object
+(header buffer, then the page's payload buffer(s)), so engines with
+scatter/gather or registered memory can move it without an extra copy.
+
+Buffers are 1-D contiguous ``numpy.uint8`` arrays: they expose the buffer
+protocol (files, sockets) and their address (``.ctypes.data``, for engines
+that take pointers).
+
+Failure is data, not an exception: a key that cannot be read or written is a
+``False`` in the per-key result, so one broken object or a backend outage
+costs a miss, never a failed request. Only construction may raise (bad
+options, unreachable backend at start).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+Buffers = Sequence[np.ndarray]
+
+
+@dataclass(frozen=True)
+class StorageContext:
+    """What a backend may know about the process that built it."""
+
+    # "scheduler" (existence queries only) or "worker" (reads and writes).
+    role: str
+    # This worker's TP rank (0 on the scheduler) and the TP size.
+    tp_rank: int
+    tp_size: int
+    # Bytes of one object (header + payload): backends may size buffers/files.
+    object_bytes: int
+
+
+class StorageBackend(ABC):
+    """One client of an L3 store.
+
+    Built once per process that needs it: by the scheduler half for
+    ``exists_prefix`` (called from its lookup thread) and by every worker for
+    ``get``/``put`` (called from its I/O threads). Every method may run
+    concurrently from several threads, so implementations are thread-safe.
+    """
+
+    # Registry name ("file", "redis", ...), for logs and errors.
+    name: ClassVar[str]
+
+    @abstractmethod
+    def __init__(self, options: Mapping[str, Any], ctx: StorageContext) -> None:
+        """Parse ``options`` (this backend's part of
+        ``hicache_storage_backend_extra_config``) into a frozen config, raising
+        ValueError naming any unknown or malformed key, and connect; an
+        unreachable backend raises within 30 s naming the backend and address."""
+
+    @abstractmethod
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        """Number of leading ``keys`` that are stored (stops at the first miss)."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[str], targets: Sequence[Buffers]) -> list[bool]:
+        """Read object ``keys[i]`` into ``targets[i]`` (filled in order). True only
+        if the object exists and is exactly as long as the buffers together;
+        a False entry leaves its buffers in an unspecified state."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], sources: Sequence[Buffers]) -> list[bool]:
+        """Store ``sources[i]`` concatenated as object ``keys[i]``. Readers must
+        never see a partial object. False: not stored (full, error)."""
+
+    def register_memory(self, region: np.ndarray) -> None:
+        """Hook: ``region`` (the host pool) will contain get/put buffers for the
+        backend's lifetime. Zero-copy engines register it; default: nothing."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every object this backend can see (admin API)."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters for logs/metrics; default: none."""
+        return {}
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections and threads; idempotent."""
