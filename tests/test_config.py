@@ -50,12 +50,6 @@ def test_unknown_key_lists_accepted_keys():
     assert "hicache_ratio" in str(err.value)
 
 
-def test_l3_backend_rejected_until_wired():
-    with pytest.raises(ValueError, match="not supported yet") as err:
-        make_config(hicache_storage_backend="file")
-    assert "hicache_storage_backend" in str(err.value)
-
-
 @pytest.mark.parametrize(
     "key", ["hicache_storage_prefetch_policy", "hicache_storage_backend_extra_config"]
 )

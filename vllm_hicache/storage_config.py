@@ -26,7 +26,7 @@ STORAGE_KEYS = (
 )
 # The L3 tier is wired into the connector only when this is True; until then
 # its keys are refused rather than accepted and ignored.
-L3_ENABLED = False
+L3_ENABLED = True
 
 
 @dataclass(frozen=True)

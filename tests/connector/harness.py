@@ -9,6 +9,7 @@ page into a block is caught by ``check_block``.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -85,12 +86,15 @@ class Harness:
         if complete_async and w.worker._async is not None:
             _drain(w.worker._async)
             self._verify_loads(meta.async_loads)
+        if complete_async and w.worker._io is not None:
+            assert w.worker._io.wait_idle(10)
         sending, recving = w.get_finished(so.finished_req_ids)
         errors = w.get_block_ids_with_load_errors()
+        worker_meta = w.build_connector_worker_meta()
         w.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
         kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                invalid_block_ids=errors)
+                                invalid_block_ids=errors, kv_connector_worker_meta=worker_meta)
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=[[7] for _ in ids], kv_connector_output=kvo)
         self.scheduler.update_from_output(so, out)
@@ -101,7 +105,9 @@ class Harness:
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests():
                 return
-            self.step()
+            so = self.step()
+            if so.total_num_scheduled_tokens == 0:
+                time.sleep(0.002)  # waiting on a background lookup or load
         raise AssertionError("requests did not finish within the step budget")
 
     def _verify_loads(self, jobs) -> None:

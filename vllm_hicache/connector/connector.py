@@ -15,9 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from vllm_hicache.config import HiCacheConfig
+from vllm.platforms import current_platform
+
+from vllm_hicache.config import HiCacheConfig, resolve_conflicts
+from vllm_hicache.connector.l3_setup import build_planner, check_shareable_hashes
 from vllm_hicache.connector.geometry import geometry_from
 from vllm_hicache.connector.metadata import HiCacheMetadata
 from vllm_hicache.connector.scheduler import HiCacheScheduler
@@ -42,13 +46,21 @@ class HiCacheConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        cfg = HiCacheConfig.from_extra_config(extra)
+        # Resolved the same way in every process, so both halves (and the L3
+        # keys they derive) agree on the layout.
+        cfg = resolve_conflicts(
+            HiCacheConfig.from_extra_config(extra), cuda_available=current_platform.is_cuda()
+        )
         geom = geometry_from(kv_cache_config)
+        if cfg.storage is not None:
+            check_shareable_hashes(vllm_config)
         self.scheduler: HiCacheScheduler | None = None
         self.worker: HiCacheWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             parallel = vllm_config.parallel_config
             self.scheduler = HiCacheScheduler(cfg, geom, parallel.local_world_size)
+            if cfg.storage is not None:
+                self.scheduler.l3 = build_planner(cfg, geom, vllm_config, self.scheduler.num_pages)
         else:
             self.worker = HiCacheWorker(cfg, geom, vllm_config)
 
@@ -145,6 +157,11 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._work().worker_meta()
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()

@@ -31,6 +31,8 @@ class KVGeometry:
     num_kv_heads: int
     head_size: int
     is_mla: bool
+    # KV element type, e.g. "bfloat16" (part of L3 keys).
+    kv_dtype: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -70,6 +72,7 @@ def geometry_from(kv_cache_config: KVCacheConfig) -> KVGeometry:
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         is_mla=isinstance(spec, MLAAttentionSpec),
+        kv_dtype=str(spec.dtype).removeprefix("torch."),
     )
 
 

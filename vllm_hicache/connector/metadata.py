@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass(frozen=True)
@@ -48,17 +51,58 @@ class LoadJob:
     copy: BlockCopy
 
 
+@dataclass(frozen=True)
+class PrefetchJob:
+    """Read L3 objects of ``hashes`` into host ``pages`` (L3 -> L2)."""
+
+    op_id: int
+    hashes: tuple[bytes, ...]
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BackupJob:
+    """Write host ``pages`` to L3 under ``hashes`` (L2 -> L3), after this
+    step's stores have filled them."""
+
+    op_id: int
+    hashes: tuple[bytes, ...]
+    pages: tuple[int, ...]
+
+
 @dataclass
 class HiCacheMetadata(KVConnectorMetadata):
     evict_stores: BlockCopy = field(default_factory=BlockCopy)
     loads: list[LoadJob] = field(default_factory=list)
     async_loads: list[LoadJob] = field(default_factory=list)
     stores: BlockCopy = field(default_factory=BlockCopy)
+    prefetches: list[PrefetchJob] = field(default_factory=list)
+    backups: list[BackupJob] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (
             self.evict_stores or self.loads or self.async_loads or self.stores
+            or self.prefetches or self.backups
         )
+
+
+@dataclass
+class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step; vLLM merges the ranks' copies.
+
+    ``prefetch``: op -> rank -> (leading pages done, finished);
+    ``backups``: op -> ranks that finished it."""
+
+    prefetch: dict[int, dict[int, tuple[int, bool]]] = field(default_factory=dict)
+    backups: dict[int, set[int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> HiCacheWorkerMetadata:
+        assert isinstance(other, HiCacheWorkerMetadata)
+        for op_id, by_rank in other.prefetch.items():
+            self.prefetch.setdefault(op_id, {}).update(by_rank)
+        for op_id, ranks in other.backups.items():
+            self.backups.setdefault(op_id, set()).update(ranks)
+        return self
 
 
 def merge_copies(pairs: list[tuple[int, int]]) -> BlockCopy:

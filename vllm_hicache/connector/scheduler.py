@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.inflight import InflightLoads
+from vllm_hicache.connector.l3_scheduler import StoragePlanner, StoredChain
 from vllm_hicache.connector.metadata import BlockCopy, HiCacheMetadata, LoadJob, merge_copies
 from vllm_hicache.connector.stats import HiCacheStats
 from vllm_hicache.connector.write_back import WriteBackWatcher
@@ -83,7 +84,11 @@ class HiCacheScheduler:
         self._prev_step_locks: list[object] = []
         self._inflight = InflightLoads()
         self._write_back: WriteBackWatcher | None = None
-        self._evict_pairs: list[tuple[int, int]] = []
+        self._evict_pairs: list[tuple[int, int, list[bytes]]] = []
+        # L3 tier (set by the connector when a storage backend is configured).
+        self.l3: StoragePlanner | None = None
+        self._block_pool = None
+        self._stored_chains: list[StoredChain] = []
         logger.info(
             "HiCache L2: %d pages x %d bytes = %.2f GB (L1 %d blocks), %s",
             self.num_pages, geom.bytes_per_block,
@@ -95,6 +100,8 @@ class HiCacheScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self.l3 is not None and self.l3.must_wait(request.request_id):
+            return None, False  # per the prefetch policy: ask again later
         pages = self._hit_pages(request, num_computed_tokens)
         if not pages:
             return 0, False
@@ -147,16 +154,21 @@ class HiCacheScheduler:
         self._prev_step_locks, self._step_locks = self._step_locks, []
         self._track_scheduled(so)
         self._plan_write_backs()
-        evict_pairs, self._evict_pairs = self._evict_pairs, []
+        evict, self._evict_pairs = self._evict_pairs, []
         store_pairs = self._advance_requests(so)
         meta = HiCacheMetadata(
-            evict_stores=merge_copies(evict_pairs),
+            evict_stores=merge_copies([(block, page) for block, page, _ in evict]),
             loads=self._step_loads,
             async_loads=self._step_async_loads,
             stores=merge_copies(store_pairs),
         )
         self._step_loads, self._step_async_loads = [], []
-        self.stats.record_store(len(evict_pairs) + len(store_pairs))
+        self.stats.record_store(len(evict) + len(store_pairs))
+        if self.l3 is not None:
+            chains = self._stored_chains + [(tuple(c), [len(c) - 1], [p]) for _, p, c in evict]
+            meta.backups = self.l3.plan_backup(self.tree, chains)
+            meta.prefetches = self.l3.plan_prefetches(self.tree, self._alloc_protecting)
+        self._stored_chains = []
         return meta
 
     def _track_scheduled(self, so: SchedulerOutput) -> None:
@@ -223,6 +235,8 @@ class HiCacheScheduler:
             new_pages[i] = page
         unused = self.tree.insert(hashes[: want[-1] + 1], new_pages, -state.request.priority)
         assert not unused, unused  # match() said these blocks had no page
+        if self.l3 is not None:
+            self._stored_chains.append((tuple(hashes[: want[-1] + 1]), want, pages))
         return [(state.block_ids[i], page) for i, page in zip(want, pages)]
 
     def _alloc_protecting(self, hashes, num_matched: int, num_pages: int) -> list[int] | None:
@@ -241,20 +255,42 @@ class HiCacheScheduler:
             lock = self._inflight.finish(req_id)
             if lock is not None:
                 self.tree.unlock(lock)
+        meta = output.kv_connector_worker_meta
+        if self.l3 is not None and meta is not None:
+            self.l3.on_worker_meta(meta, self.tree)
         if output.invalid_block_ids:
             self.stats.record_load_errors(len(output.invalid_block_ids))
 
     def on_new_request(self, request: Request) -> None:
         self._reqs[request.request_id] = _ReqState(request)
+        if self.l3 is not None:
+            limit = loadable_block_limit(request.num_tokens, self.block_size)
+            chain = tuple(request.block_hashes[:limit])
+            self.l3.start_lookup(request.request_id, chain, self._resident_blocks(chain))
+
+    def _resident_blocks(self, chain: tuple[bytes, ...]) -> int:
+        """Leading blocks already in L2 or in vLLM's own cache (L1)."""
+        pages = self.tree.match(chain).pages
+        cached = self._block_pool.get_cached_block if self._block_pool is not None else None
+        i = 0
+        while i < len(chain) and (
+            (i < len(pages) and pages[i] is not None)
+            or (cached is not None and cached(chain[i], [0]) is not None)
+        ):
+            i += 1
+        return i
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         # An in-flight async load keeps its lock until the worker reports it:
         # vLLM itself delays freeing the blocks of such a request.
         self._reqs.pop(request.request_id, None)
         self._local_hit_tokens.pop(request.request_id, None)
+        if self.l3 is not None:
+            self.l3.forget(request.request_id)
         return False, None
 
     def bind_gpu_block_pool(self, block_pool) -> None:
+        self._block_pool = block_pool
         if self.cfg.hicache_write_policy == "write_back":
             self._write_back = WriteBackWatcher(
                 block_pool, 2 * block_pool.num_gpu_blocks, on_reset=self._plan_write_backs
@@ -268,6 +304,10 @@ class HiCacheScheduler:
         self.stats.record_evict(len(hashes))
         if self._write_back is not None:
             self._write_back.forget(hashes)
+
+    def shutdown(self) -> None:
+        if self.l3 is not None:
+            self.l3.close()
 
     def reset_cache(self) -> bool:
         """Drop L2 (``reset_prefix_cache(reset_connector=True)``)."""

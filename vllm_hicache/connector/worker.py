@@ -21,7 +21,9 @@ import torch
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.async_loads import AsyncLoader
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
-from vllm_hicache.connector.metadata import BlockCopy, HiCacheMetadata
+from vllm_hicache.connector.l3_setup import build_storage_io
+from vllm_hicache.connector.l3_worker import StorageIO
+from vllm_hicache.connector.metadata import BlockCopy, HiCacheMetadata, HiCacheWorkerMetadata
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor, make_transfer
 
@@ -47,6 +49,7 @@ class HiCacheWorker:
         self._store_done = None
         self._async: AsyncLoader | None = None
         self._evicted_for: HiCacheMetadata | None = None
+        self._io: StorageIO | None = None
 
     # --- set-up ------------------------------------------------------------
 
@@ -78,6 +81,8 @@ class HiCacheWorker:
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device=device)
         self._async = AsyncLoader(self.transfer, self._stream)
+        if cfg.storage is not None:
+            self._io = build_storage_io(cfg, self.geom, self._vllm_config, self.pool)
         logger.info(
             "HiCache worker: %d host pages (%.2f GB), layout=%s, io=%s, device=%s",
             self.num_pages, self.pool.num_bytes / 1e9, cfg.hicache_mem_layout,
@@ -107,6 +112,12 @@ class HiCacheWorker:
             # A runner that skips handle_preemptions: still copy first.
             self.handle_preemptions(meta)
         self._meta = meta
+        if meta.prefetches:
+            # Prefetch pages may have fed a load a moment ago (CUDA: still
+            # queued): the reads start after everything issued so far.
+            ready = self._record_event() if self._stream is not None else None
+            for job in meta.prefetches:
+                self._io.submit_prefetch(job, ready)
         self._pending_layers = set(range(self.geom.num_layers)) if meta.loads else set()
         self._layer_events = {}
 
@@ -146,6 +157,10 @@ class HiCacheWorker:
             self._run_on_stream(self.transfer.store, meta.stores, after_compute=True)
             if self._stream is not None:
                 self._store_done = self._record_event()
+        if meta.backups:
+            ready = self._record_event() if self._stream is not None else None
+            for job in meta.backups:
+                self._io.submit_backup(job, ready)
 
     def _load_layer(self, layer: int) -> None:
         for job in self._meta.loads:
@@ -199,6 +214,18 @@ class HiCacheWorker:
         self._load_errors.update(failed_blocks)
         return None, (done or None)
 
+    def worker_meta(self) -> HiCacheWorkerMetadata | None:
+        if self._io is None:
+            return None
+        progress, backups = self._io.poll()
+        if not progress and not backups:
+            return None
+        rank = self._io.tp_rank
+        return HiCacheWorkerMetadata(
+            prefetch={op: {rank: p} for op, p in progress.items()},
+            backups={op: {rank} for op in backups},
+        )
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -206,6 +233,8 @@ class HiCacheWorker:
     def shutdown(self) -> None:
         if self._async is not None:
             self._async.shutdown()
+        if self._io is not None:
+            self._io.shutdown()
         if self.transfer is not None:
             self.transfer.synchronize()
         if self.pool is not None:

@@ -92,9 +92,9 @@ class WriteBackWatcher:
     def clear_l2(self) -> None:
         self._l2_parent.clear()
 
-    def plan(self, tree: HiRadixTree, alloc) -> list[tuple[int, int]]:
-        """Pages for this step's evicted blocks: (block id, page) pairs."""
-        pairs: list[tuple[int, int]] = []
+    def plan(self, tree: HiRadixTree, alloc) -> list[tuple[int, int, list[bytes]]]:
+        """Pages for this step's evicted blocks: (block id, page, chain)."""
+        pairs: list[tuple[int, int, list[bytes]]] = []
         evicted, self._evicted = self._evicted, []
         for block_hash, block_id in evicted:
             parent = self._l1_parent.pop(block_hash, _MISSING)
@@ -110,7 +110,7 @@ class WriteBackWatcher:
                 continue
             tree.insert(chain, [None] * (len(chain) - 1) + pages)
             self._l2_parent[block_hash] = parent
-            pairs.append((block_id, pages[0]))
+            pairs.append((block_id, pages[0], chain))
         return pairs
 
     def _chain(self, block_hash: bytes, parent) -> list[bytes] | None:

@@ -1,0 +1,113 @@
+"""Worker half of the L3 tier: prefetch reads and backup writes, off the
+forward's thread.
+
+Prefetch (L3 -> L2): pages are read in batches of ``BATCH_PAGES``; progress is
+the count of leading pages verified and written, reported every step until
+the op finishes (a short batch ends it). Backup (L2 -> L3): objects L3 already
+has are skipped (``exists_prefix``), the rest written; the op is acknowledged
+when done, successful or not (a failed write is just a later miss). On CUDA a
+backup first waits for the L1 -> L2 copy that produced its pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from vllm_hicache.connector.metadata import BackupJob, PrefetchJob
+from vllm_hicache.storage.pages import PageStore
+
+logger = logging.getLogger(__name__)
+
+# Pages per backend call (SGLang's storage batch size).
+BATCH_PAGES = 128
+
+
+class StorageIO:
+    def __init__(self, pages: PageStore, tp_rank: int, writes: bool, num_threads: int = 2) -> None:
+        self.pages = pages
+        self.tp_rank = tp_rank
+        # MLA keeps one copy: only rank 0 writes, every rank still acks.
+        self._writes = writes
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-l3")
+        self._lock = threading.Lock()
+        self._progress: dict[int, tuple[int, bool]] = {}
+        self._backups_done: set[int] = set()
+        self._futures: set = set()
+
+    def submit_prefetch(self, job: PrefetchJob, ready=None) -> None:
+        with self._lock:
+            self._progress[job.op_id] = (0, False)
+        self._track(self._pool.submit(self._guard, self._prefetch, job, ready))
+
+    def submit_backup(self, job: BackupJob, ready=None) -> None:
+        self._track(self._pool.submit(self._guard, self._backup, job, ready))
+
+    def _track(self, future) -> None:
+        with self._lock:
+            self._futures = {f for f in self._futures if not f.done()}
+            self._futures.add(future)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (bounded) for every submitted job; True if all finished."""
+        with self._lock:
+            pending = list(self._futures)
+        done, not_done = wait(pending, timeout=timeout_s)
+        return not not_done
+
+    def _guard(self, fn, *args) -> None:
+        # A worker thread must never die: an error becomes a miss/an ack.
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001
+            logger.exception("HiCache L3 I/O failed")
+            job = args[0]
+            with self._lock:
+                if isinstance(job, PrefetchJob):
+                    done, _ = self._progress.get(job.op_id, (0, False))
+                    self._progress[job.op_id] = (done, True)
+                else:
+                    self._backups_done.add(job.op_id)
+
+    def _prefetch(self, job: PrefetchJob, ready) -> None:
+        if ready is not None:
+            ready.synchronize()
+        done = 0
+        for begin in range(0, len(job.pages), BATCH_PAGES):
+            end = min(begin + BATCH_PAGES, len(job.pages))
+            good = self.pages.read(job.hashes[begin:end], job.pages[begin:end])
+            done += good
+            finished = good < end - begin or end == len(job.pages)
+            with self._lock:
+                self._progress[job.op_id] = (done, finished)
+            if finished:
+                return
+
+    def _backup(self, job: BackupJob, ready) -> None:
+        if ready is not None:
+            ready.synchronize()
+        if self._writes:
+            for begin in range(0, len(job.pages), BATCH_PAGES):
+                hashes = job.hashes[begin : begin + BATCH_PAGES]
+                pages = job.pages[begin : begin + BATCH_PAGES]
+                have = self.pages.exists_prefix(hashes)
+                if have < len(hashes):
+                    self.pages.write(hashes[have:], pages[have:])
+        with self._lock:
+            self._backups_done.add(job.op_id)
+
+    def poll(self) -> tuple[dict[int, tuple[int, bool]], set[int]]:
+        """Progress of open prefetches (finished ones reported once), and the
+        backups finished since the last poll."""
+        with self._lock:
+            progress = dict(self._progress)
+            for op_id, (_, finished) in progress.items():
+                if finished:
+                    del self._progress[op_id]
+            backups, self._backups_done = self._backups_done, set()
+        return progress, backups
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.pages.backend.close()
