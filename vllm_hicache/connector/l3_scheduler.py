@@ -12,7 +12,8 @@ store; they stay locked in L2 until every rank has acknowledged.
 
 Prefetch policies decide only whether a request *waits* for its lookup and
 prefetch (``must_wait``): best_effort never, wait_complete until the
-prefetch ends, timeout until it ends or its deadline passes.
+prefetch ends (but never past ``prefetch_timeout_max``: a stuck store must not
+stall a request), timeout until it ends or its deadline passes.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ class StoragePlanner:
         if len(chain) - start < self.threshold_blocks:
             return
         tokens = (len(chain) - start) * self.block_size
-        lookup = _Lookup(chain, start, time.monotonic() + self.cfg.prefetch_timeout_s(tokens))
+        # wait_complete too is bounded (invariant 3): by prefetch_timeout_max.
+        wait_s = (self.cfg.prefetch_timeout_s(tokens) if self.cfg.prefetch_policy == "timeout"
+                  else self.cfg.prefetch_timeout_max)
+        lookup = _Lookup(chain, start, time.monotonic() + wait_s)
         lookup.future = self._executor.submit(self._exists, chain[start:])
         self._lookups[req_id] = lookup
 
@@ -102,9 +106,7 @@ class StoragePlanner:
         if lookup.op is None and lookup.future.done() and self._hit(lookup) < self.threshold_blocks:
             lookup.done = True  # a miss: nothing to wait for (idempotent)
             return False
-        if self.cfg.prefetch_policy == "timeout" and time.monotonic() > lookup.deadline:
-            return False
-        return True
+        return time.monotonic() <= lookup.deadline
 
     @staticmethod
     def _hit(lookup: _Lookup) -> int:
@@ -205,6 +207,10 @@ class StoragePlanner:
             del self._backup_acks[op_id]
             for lock in self._backup_locks.pop(op_id, ()):
                 tree.unlock(lock)
+
+    def clear_storage(self) -> None:
+        """Admin: remove every object from L3 (reset_cache leaves L3 alone)."""
+        self.backend.clear()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

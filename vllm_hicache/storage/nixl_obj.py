@@ -1,0 +1,170 @@
+"""The ``nixl`` backend's OBJ store: one S3 object per key, moved by NIXL's OBJ plugin.
+
+Object name: ``<key_prefix><key>`` in ``bucket``. The object's bytes are the
+caller's buffers concatenated.
+
+Invariants:
+
+- Readers never see a partial object: a put is one S3 PutObject of the whole
+  object, which S3 makes visible atomically. The OBJ plugin cannot write at an
+  offset (a second descriptor would be a second PutObject that replaces the
+  first), so buffers that are not adjacent in memory are first copied into
+  one staging buffer. A put that misses its deadline is reported False but
+  may still land later: whole, like any PutObject.
+- A get is two ranged GETs in one NIXL request: bytes ``[0, n-1)`` and the
+  probe byte ``[n-1, n)``, where n is the buffers' total. An object shorter
+  than n fails the probe (HTTP 416), so a truncated object is a miss. A
+  *longer* object is not detected here (no size is exposed by NIXL); the
+  object header's payload length catches it (storage/format.py).
+- NIXL has no list or delete: ``clear`` and the start-up bucket check use
+  boto3, and ``clear`` deletes only names under ``key_prefix``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from vllm_hicache.storage.base import Buffers
+from vllm_hicache.storage.nixl_config import NixlConfig
+from vllm_hicache.storage.nixl_engine import Job, NixlEngine
+from vllm_hicache.storage.nixl_posix import spans
+
+BOTO3_INSTALL = "pip install boto3"
+# Bounds on boto3's calls: the start-up check fails well within 30 s.
+_CONNECT_TIMEOUT_S = 3.0
+_READ_TIMEOUT_S = 10.0
+_DELETE_BATCH = 1000  # S3 DeleteObjects limit
+
+
+class ObjStore:
+    def __init__(self, engine: NixlEngine, cfg: NixlConfig) -> None:
+        self.engine = engine
+        self.bucket = str(cfg.bucket)
+        self.prefix = cfg.key_prefix
+        self.endpoint = cfg.endpoint_url or "AWS S3"
+        self._s3 = _s3_client(cfg)
+        self._check_bucket()
+
+    @property
+    def address(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix} at {self.endpoint}"
+
+    def _check_bucket(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self._s3.head_bucket(Bucket=self.bucket)
+        except ClientError as err:
+            raise ValueError(f"nixl backend (OBJ): bucket {self.bucket!r} at {self.endpoint} "
+                             f"is not usable: {err}") from err
+        except BotoCoreError as err:
+            raise ConnectionError(f"nixl backend (OBJ): cannot reach {self.endpoint} "
+                                  f"(bucket {self.bucket!r}): {err}") from err
+
+    # --- operations ----------------------------------------------------------
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        for i, key in enumerate(keys):
+            try:
+                found = self.engine.agent.query_memory(
+                    [(0, 0, 0, self.prefix + key)], "OBJ", "OBJ")
+            except Exception:  # noqa: BLE001 - an unreachable store answers "not stored"
+                return i
+            if not found or found[0] is None:
+                return i
+        return len(keys)
+
+    def get(self, keys: Sequence[str], targets: Sequence[Buffers], timeout_s: float) -> list[bool]:
+        jobs = [self._read_job(k, t) for k, t in zip(keys, targets)]
+        self.engine.transfer("READ", [j for j in jobs if j is not None], timeout_s, batch=False)
+        return [job is not None and job.done for job in jobs]
+
+    def put(self, keys: Sequence[str], sources: Sequence[Buffers], timeout_s: float) -> list[bool]:
+        jobs = [self._write_job(k, s) for k, s in zip(keys, sources)]
+        self.engine.transfer("WRITE", [j for j in jobs if j is not None], timeout_s, batch=False)
+        return [job is not None and job.done for job in jobs]
+
+    def clear(self) -> None:
+        pages = self._s3.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix)
+        names = [item["Key"] for page in pages for item in page.get("Contents", [])]
+        for i in range(0, len(names), _DELETE_BATCH):
+            chunk = names[i:i + _DELETE_BATCH]
+            self._s3.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": name} for name in chunk], "Quiet": True})
+
+    # --- jobs ------------------------------------------------------------------
+
+    def _register(self, key: str) -> tuple[int, Any] | None:
+        dev_id = self.engine.next_dev_id()
+        try:
+            return dev_id, self.engine.register_remote([(0, 0, dev_id, self.prefix + key)])
+        except Exception:  # noqa: BLE001 - NIXL raises its own error types
+            return None
+
+    def _read_job(self, key: str, target: Buffers) -> Job | None:
+        local = spans(target)
+        total = sum(n for _, n in local)
+        registered = self._register(key) if total else None
+        if registered is None:
+            return None
+        dev_id, reg = registered
+        staging = None if _adjacent(local) else np.empty(total, np.uint8)
+        base = local[0][0] if staging is None else staging.ctypes.data
+        cut = total - 1  # the probe byte: an object shorter than total fails its GET
+        parts = [(0, cut), (cut, 1)] if cut else [(0, 1)]
+
+        def finish(ok: bool) -> bool:
+            self.engine.deregister(reg)
+            if ok and staging is not None:
+                _scatter(staging, target)
+            return ok
+
+        return Job([(base + off, n) for off, n in parts],
+                   [(off, n, dev_id) for off, n in parts], finish, keep=staging)
+
+    def _write_job(self, key: str, source: Buffers) -> Job | None:
+        local = spans(source)
+        total = sum(n for _, n in local)
+        registered = self._register(key) if total else None
+        if registered is None:
+            return None
+        dev_id, reg = registered
+        staging = None if _adjacent(local) else np.concatenate([b.reshape(-1) for b in source])
+
+        def finish(ok: bool) -> bool:
+            self.engine.deregister(reg)
+            return ok
+
+        base = local[0][0] if staging is None else staging.ctypes.data
+        return Job([(base, total)], [(0, total, dev_id)], finish, keep=staging)
+
+
+def _adjacent(local: list[tuple[int, int]]) -> bool:
+    return all(a + n == b for (a, n), (b, _) in zip(local, local[1:]))
+
+
+def _scatter(staging: np.ndarray, target: Buffers) -> None:
+    offset = 0
+    for buf in target:
+        buf.reshape(-1)[:] = staging[offset:offset + buf.nbytes]
+        offset += buf.nbytes
+
+
+def _s3_client(cfg: NixlConfig) -> Any:
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as err:
+        raise ImportError(f"the nixl L3 backend with plugin=OBJ needs boto3 (bucket checks "
+                          f"and clear): {BOTO3_INSTALL} ({err})") from err
+    virtual = cfg.plugin_params().get("use_virtual_addressing", "false") == "true"
+    config = Config(connect_timeout=_CONNECT_TIMEOUT_S, read_timeout=_READ_TIMEOUT_S,
+                    retries={"max_attempts": 2, "mode": "standard"},
+                    s3={"addressing_style": "virtual" if virtual else "path"})
+    return boto3.client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region,
+                        aws_access_key_id=cfg.access_key,
+                        aws_secret_access_key=cfg.secret_key, config=config)
