@@ -149,3 +149,14 @@ def test_short_hits_are_not_prefetched(tiny_model_dir):
     h.run()
     assert h.first_computed["b"] == 0
     assert h.sched_half.l3.prefetched_blocks == 0
+
+
+def test_admin_clear_empties_l3_and_reset_keeps_it(tiny_model_dir):
+    h, store = l3_harness(tiny_model_dir)
+    h.add("a", prompt(26, 3 * BLOCK + 1))
+    h.run()
+    h.step()
+    assert h.scheduler.connector.reset_cache()
+    assert len(store) == 3  # reset_cache leaves L3 alone
+    h.sched_half.l3.clear_storage()
+    assert len(store) == 0
