@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.inflight import InflightLoads
+from vllm_hicache.connector.request_state import ReqState, track_scheduled
 from vllm_hicache.connector.l3_scheduler import StoragePlanner, StoredChain
 from vllm_hicache.connector.metadata import BlockCopy, HiCacheMetadata, LoadJob, merge_copies
 from vllm_hicache.connector.stats import HiCacheStats
@@ -49,15 +49,6 @@ logger = logging.getLogger(__name__)
 _RECENT_HITS = 4096
 
 
-@dataclass(slots=True)
-class _ReqState:
-    request: Request
-    block_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    # Blocks [0, num_planned) have been considered for a store.
-    num_planned: int = 0
-
-
 class HiCacheScheduler:
     def __init__(self, cfg: HiCacheConfig, geom: KVGeometry, local_ranks: int = 1) -> None:
         self.cfg = cfg
@@ -76,7 +67,7 @@ class HiCacheScheduler:
         self.stats = HiCacheStats()
         # Tokens loaded from L2 for recent requests (bounded), for reports.
         self.recent_hit_tokens: OrderedDict[str, int] = OrderedDict()
-        self._reqs: dict[str, _ReqState] = {}
+        self._reqs: dict[str, ReqState] = {}
         self._local_hit_tokens: dict[str, int] = {}
         self._step_loads: list[LoadJob] = []
         self._step_async_loads: list[LoadJob] = []
@@ -152,7 +143,7 @@ class HiCacheScheduler:
         for lock in self._prev_step_locks:
             self.tree.unlock(lock)
         self._prev_step_locks, self._step_locks = self._step_locks, []
-        self._track_scheduled(so)
+        track_scheduled(self._reqs, so)
         self._plan_write_backs()
         evict, self._evict_pairs = self._evict_pairs, []
         store_pairs = self._advance_requests(so)
@@ -171,25 +162,7 @@ class HiCacheScheduler:
         self._stored_chains = []
         return meta
 
-    def _track_scheduled(self, so: SchedulerOutput) -> None:
-        for new in so.scheduled_new_reqs:
-            state = self._reqs.get(new.req_id)
-            if state is not None:
-                state.block_ids = list(new.block_ids[0])
-                state.num_computed_tokens = new.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self._reqs.get(req_id)
-            if state is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
-            elif new_ids:
-                state.block_ids.extend(new_ids[0])
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-
-    def _completed_blocks(self, state: _ReqState, num_scheduled: int) -> int:
+    def _completed_blocks(self, state: ReqState, num_scheduled: int) -> int:
         """Full blocks whose KV exists once this step's forward has run."""
         done_tokens = state.num_computed_tokens + num_scheduled
         return min(
@@ -215,7 +188,7 @@ class HiCacheScheduler:
             state.num_planned = hi
         return pairs
 
-    def _store_range(self, state: _ReqState, lo: int, hi: int) -> list[tuple[int, int]]:
+    def _store_range(self, state: ReqState, lo: int, hi: int) -> list[tuple[int, int]]:
         hashes = state.request.block_hashes[:hi]
         self.write_policy.record_use(hashes[lo:hi])
         matched = self.tree.match(hashes).pages
@@ -262,7 +235,7 @@ class HiCacheScheduler:
             self.stats.record_load_errors(len(output.invalid_block_ids))
 
     def on_new_request(self, request: Request) -> None:
-        self._reqs[request.request_id] = _ReqState(request)
+        self._reqs[request.request_id] = ReqState(request)
         if self.l3 is not None:
             limit = loadable_block_limit(request.num_tokens, self.block_size)
             chain = tuple(request.block_hashes[:limit])

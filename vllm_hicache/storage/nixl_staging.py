@@ -1,0 +1,115 @@
+"""Backend-owned DRAM that every NIXL transfer of the ``nixl`` backend goes through.
+
+Why: NIXL cannot cancel a transfer, so one that misses its deadline is parked
+and keeps running after ``get``/``put`` returned (nixl_engine.py). Had it
+targeted the caller's buffers, a late READ would write into a host page the
+caller already freed and reused (silently wrong KV data), and a late
+PutObject would upload a page the caller already overwrote. So a transfer
+only ever touches a *slot* of this pool:
+
+- get: NIXL reads into the slot; the slot is copied into the caller's buffers
+  only when the transfer completed within the call (``scatter``).
+- put: the caller's buffers are copied into the slot before the transfer is
+  posted (``gather``); the transfer reads only the slot.
+
+A slot returns to the pool only in the job's ``finish``, i.e. once NIXL says
+the transfer ended, so a parked transfer keeps its slot and nobody else's.
+
+Memory: slots of ``object_bytes`` (rounded up to 4 KiB) in arenas registered
+with the agent once (a 64 MiB arena first, then each new arena as large as all
+before it, so there are few regions); lazily, so a scheduler-side backend
+allocates nothing. At most ``max(1 GiB, 512 objects)``: when no slot is free
+then (e.g. a hung store with hundreds of parked transfers), the key is a miss
+without any I/O. A larger object than a slot gets its own buffer, registered
+per call. Arenas live until close, and forever if transfers are still parked
+then (a late write must never land in freed memory).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from vllm_hicache.storage.base import Buffers
+
+_ALIGN = 4096
+_FIRST_ARENA_BYTES = 64 << 20
+_MIN_CAP_BYTES = 1 << 30
+_CAP_OBJECTS = 512
+# Arenas of pools closed while transfers still ran: never freed.
+_LEAKED: list[np.ndarray] = []
+
+
+class StagingPool:
+    def __init__(self, engine: Any, object_bytes: int) -> None:
+        self.engine = engine
+        self.slot_bytes = -(-max(object_bytes, 1) // _ALIGN) * _ALIGN
+        self.max_bytes = max(_MIN_CAP_BYTES, _CAP_OBJECTS * self.slot_bytes)
+        self._arenas: list[np.ndarray] = []
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arenas)
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A buffer of at least ``nbytes`` only this caller uses until ``give``; None
+        when the pool is exhausted."""
+        if nbytes > self.slot_bytes:
+            return np.empty(nbytes, np.uint8)  # registered per call (nixl_engine)
+        with self._lock:
+            if not self._free and not self._grow():
+                return None
+            return self._free.pop()
+
+    def give(self, slot: np.ndarray) -> None:
+        if slot.nbytes != self.slot_bytes:
+            return  # an oversized buffer of its own: freed with its last reference
+        with self._lock:
+            self._free.append(slot)
+
+    def _grow(self) -> bool:
+        have = self.nbytes
+        size = min(max(have, _FIRST_ARENA_BYTES), self.max_bytes - have)
+        slots = size // self.slot_bytes
+        if slots < 1:
+            return False
+        arena = np.empty(slots * self.slot_bytes, np.uint8)
+        self.engine.register_region(arena)
+        self._arenas.append(arena)
+        self._free.extend(arena.reshape(slots, self.slot_bytes)[::-1])
+        return True
+
+    def close(self, leak: bool) -> None:
+        """Drop the arenas (the engine deregisters them); keep them forever if
+        ``leak`` (transfers still parked may write into them)."""
+        with self._lock:
+            if leak:
+                _LEAKED.extend(self._arenas)
+            self._arenas, self._free = [], []
+
+
+def gather(source: Buffers, slot: np.ndarray) -> int:
+    """Copy ``source`` concatenated into ``slot``; returns the bytes copied."""
+    offset = 0
+    for buf in source:
+        n = buf.nbytes
+        slot[offset:offset + n] = buf.reshape(-1).view(np.uint8)
+        offset += n
+    return offset
+
+
+def scatter(slot: np.ndarray, target: Buffers) -> None:
+    """Copy the head of ``slot`` into ``target``'s buffers, in order."""
+    offset = 0
+    for buf in target:
+        n = buf.nbytes
+        buf.reshape(-1).view(np.uint8)[:] = slot[offset:offset + n]
+        offset += n
+
+
+def address(slot: np.ndarray) -> int:
+    return slot.ctypes.data
