@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hicache.storage.options import check_range, reject_unknown, require
+
 # A failing start must raise within 30 s; the port wait is the only unbounded
 # part we control (see MooncakeBackend._connect).
 _MAX_CONNECT_TIMEOUT_S = 20.0
@@ -66,26 +68,18 @@ class MooncakeConfig:
         for name in ("local_hostname", "metadata_server"):
             if not getattr(self, name):
                 raise ValueError(f"invalid mooncake backend option {name}: must be non-empty")
-        _check_range("connect_timeout_s", self.connect_timeout_s, 0.0, _MAX_CONNECT_TIMEOUT_S)
-        _check_range("outage_backoff_s", self.outage_backoff_s, 0.0, 600.0, with_low=True)
-        _check_range("global_segment_size", self.global_segment_size, 0, 1 << 50, with_low=True)
-        _check_range("local_buffer_size", self.local_buffer_size, 0, 1 << 40, with_low=True)
-        _check_range("staging_bytes", self.staging_bytes, 0, 1 << 34)
+        check_range("mooncake", "connect_timeout_s", self.connect_timeout_s, 0.0, _MAX_CONNECT_TIMEOUT_S)
+        check_range("mooncake", "outage_backoff_s", self.outage_backoff_s, 0.0, 600.0, with_low=True)
+        check_range("mooncake", "global_segment_size", self.global_segment_size, 0, 1 << 50, with_low=True)
+        check_range("mooncake", "local_buffer_size", self.local_buffer_size, 0, 1 << 40, with_low=True)
+        check_range("mooncake", "staging_bytes", self.staging_bytes, 0, 1 << 34)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MooncakeConfig:
         """Validate ``options`` (names, types, ranges) into a config."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise ValueError(
-                f"unknown mooncake backend option(s) {unknown}; accepted: {sorted(fields)}"
-            )
-        if "master_server_address" not in options:
-            raise ValueError(
-                "mooncake backend option 'master_server_address' is required "
-                "(the mooncake_master RPC address, e.g. '127.0.0.1:50051')"
-            )
+        reject_unknown("mooncake", options, fields)
+        require("mooncake", options, "master_server_address", "the mooncake_master RPC address, e.g. '127.0.0.1:50051'")
         values = {name: _coerce(name, fields[name].type, v) for name, v in options.items()}
         return cls(**values)
 
@@ -126,10 +120,3 @@ def _coerce(name: str, annotation: str, value: Any) -> Any:
     raise ValueError(f"invalid mooncake backend option {name}={value!r}: expected {annotation}")
 
 
-def _check_range(
-    name: str, value: float, low: float, high: float, *, with_low: bool = False
-) -> None:
-    """``low < value <= high`` (``low <=`` if with_low), else a ValueError naming the option."""
-    if not (low <= value if with_low else low < value) or value > high:
-        interval = f"{'[' if with_low else '('}{low}, {high}]"
-        raise ValueError(f"invalid mooncake backend option {name}={value!r}: must be in {interval}")

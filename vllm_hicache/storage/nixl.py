@@ -6,11 +6,14 @@ the size checks (nixl_posix.py, nixl_obj.py hold each store's layout and
 invariants) and drives one NIXL agent per backend instance (nixl_engine.py:
 registration, deadlines, transfers that outlive their call).
 
-Data path: the host pool handed to ``register_memory`` is registered with the
-agent once, so a get/put into pool pages only builds descriptors; buffers
-outside it (the 64-byte headers) are registered per call. One object = one
-remote descriptor per buffer at consecutive offsets (POSIX) or one staged
-PutObject / two ranged GETs (OBJ).
+Data path: NIXL never touches the caller's buffers. Every transfer goes
+through a slot of a backend-owned staging pool registered with the agent
+(nixl_staging.py): a put copies the buffers into the slot first, a get copies
+the slot into the buffers only when its read completed within the call. A
+transfer that outlives its call (NIXL cannot cancel it) therefore writes or
+reads only its own slot, never a host page the caller has freed and reused.
+Cost: one memcpy per object; ``register_memory`` is a no-op. One object = one
+remote descriptor (POSIX) or one PutObject / two ranged GETs (OBJ).
 
 Failures are misses: a missing, short or unreadable object, a NIXL error, or a
 transfer still running after ``timeout_s`` is a False for that key only.
@@ -28,6 +31,7 @@ import numpy as np
 from vllm_hicache.storage.base import Buffers, StorageBackend, StorageContext
 from vllm_hicache.storage.nixl_config import NixlConfig
 from vllm_hicache.storage.nixl_engine import NixlEngine
+from vllm_hicache.storage.nixl_staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +47,8 @@ class NixlBackend(StorageBackend):
 
     - ``plugin`` (default ``"POSIX"``): ``"POSIX"`` (files) or ``"OBJ"`` (S3).
     - ``timeout_s`` (default 10.0): bound on one get/put call's transfers; a
-      transfer still running then is a miss (it is reaped later).
+      transfer still running then is a miss (it is reaped later, and touches
+      only its staging slot meanwhile).
     - ``agent_name`` (default ``hicache-<pid>-<random>``): the NIXL agent's name.
 
     POSIX:
@@ -71,7 +76,8 @@ class NixlBackend(StorageBackend):
 
     ``stats()``: gets, get_hits, puts, put_ok, bytes_read, bytes_written,
     errors (calls that raised inside), timeouts (requests that missed their
-    deadline), parked_transfers (of those, still running).
+    deadline), parked_transfers (of those, still running), staging_bytes
+    (the staging pool's size).
     """
 
     name = "nixl"
@@ -81,6 +87,7 @@ class NixlBackend(StorageBackend):
         self.ctx = ctx
         plugin = self.config.plugin
         self._engine = _start_engine(self.config)
+        self._staging = StagingPool(self._engine, ctx.object_bytes)
         try:
             self._store = self._open_store()
         except BaseException:
@@ -97,10 +104,10 @@ class NixlBackend(StorageBackend):
         if self.config.plugin == "POSIX":
             from vllm_hicache.storage.nixl_posix import PosixStore
 
-            return PosixStore(self._engine, str(self.config.path))
+            return PosixStore(self._engine, self._staging, str(self.config.path))
         from vllm_hicache.storage.nixl_obj import ObjStore
 
-        return ObjStore(self._engine, self.config)
+        return ObjStore(self._engine, self._staging, self.config)
 
     # --- StorageBackend ----------------------------------------------------------
 
@@ -139,11 +146,7 @@ class NixlBackend(StorageBackend):
             return [False] * len(keys)
 
     def register_memory(self, region: np.ndarray) -> None:
-        try:
-            self._engine.register_region(region)
-        except Exception:  # noqa: BLE001 - per-call registration still works
-            logger.warning("nixl: registering the host pool failed; registering "
-                           "buffers per call instead", exc_info=True)
+        """Nothing: transfers use the staging pool, never the caller's memory."""
 
     def clear(self) -> None:
         self._store.clear()
@@ -153,6 +156,7 @@ class NixlBackend(StorageBackend):
             out: dict[str, float] = dict(self._counts)
         out["timeouts"] = self._engine.num_timeouts
         out["parked_transfers"] = self._engine.num_parked
+        out["staging_bytes"] = self._staging.nbytes
         return out
 
     def close(self) -> None:
@@ -161,6 +165,7 @@ class NixlBackend(StorageBackend):
                 return
             self._closed = True
         self._engine.close()
+        self._staging.close(leak=self._engine.num_parked > 0)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

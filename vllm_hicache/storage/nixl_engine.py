@@ -10,8 +10,8 @@ job's memory or descriptors any more. NIXL cannot cancel a running transfer:
 releasing an in-progress handle frees the plugin's request while queued AIO
 or S3 callbacks still reference it. So a transfer that misses its deadline is
 *parked* (handle, registrations and buffers kept alive) and reported as a
-miss; later calls reap it once NIXL says DONE or ERR. Caveat: a parked READ
-may still write into the caller's buffers after ``get`` returned False.
+miss; later calls reap it once NIXL says DONE or ERR. Jobs use staging slots
+only (nixl_staging.py), so a parked transfer never touches caller memory.
 """
 
 from __future__ import annotations

@@ -6,13 +6,15 @@ caller's buffers concatenated.
 Invariants:
 
 - Readers never see a partial object: a put is one S3 PutObject of the whole
-  object, which S3 makes visible atomically. The OBJ plugin cannot write at an
-  offset (a second descriptor would be a second PutObject that replaces the
-  first), so buffers that are not adjacent in memory are first copied into
-  one staging buffer. A put that misses its deadline is reported False but
-  may still land later: whole, like any PutObject.
+  object, which S3 makes visible atomically (the OBJ plugin cannot write at an
+  offset: a second descriptor would be a second PutObject replacing the
+  first), from the job's staging slot (nixl_staging.py), which holds a copy
+  of the caller's buffers. A put that misses its deadline is reported False
+  but may still land later: whole, and with the bytes of the call, never of
+  a page the caller reused afterwards.
 - A get is two ranged GETs in one NIXL request: bytes ``[0, n-1)`` and the
-  probe byte ``[n-1, n)``, where n is the buffers' total. An object shorter
+  probe byte ``[n-1, n)``, where n is the buffers' total, into a staging
+  slot copied to the caller's buffers only on success. An object shorter
   than n fails the probe (HTTP 416), so a truncated object is a miss. A
   *longer* object is not detected here (no size is exposed by NIXL); the
   object header's payload length catches it (storage/format.py).
@@ -25,12 +27,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from vllm_hicache.storage.base import Buffers
 from vllm_hicache.storage.nixl_config import NixlConfig
 from vllm_hicache.storage.nixl_engine import Job, NixlEngine
-from vllm_hicache.storage.nixl_posix import spans
+from vllm_hicache.storage.nixl_staging import StagingPool, address, gather, scatter
 
 BOTO3_INSTALL = "pip install boto3"
 # Bounds on boto3's calls: the start-up check fails well within 30 s.
@@ -40,8 +40,9 @@ _DELETE_BATCH = 1000  # S3 DeleteObjects limit
 
 
 class ObjStore:
-    def __init__(self, engine: NixlEngine, cfg: NixlConfig) -> None:
+    def __init__(self, engine: NixlEngine, staging: StagingPool, cfg: NixlConfig) -> None:
         self.engine = engine
+        self.staging = staging
         self.bucket = str(cfg.bucket)
         self.prefix = cfg.key_prefix
         self.endpoint = cfg.endpoint_url or "AWS S3"
@@ -106,52 +107,49 @@ class ObjStore:
             return None
 
     def _read_job(self, key: str, target: Buffers) -> Job | None:
-        local = spans(target)
-        total = sum(n for _, n in local)
-        registered = self._register(key) if total else None
+        total = sum(b.nbytes for b in target)
+        slot = self.staging.take(total) if total else None
+        registered = self._register(key) if slot is not None else None
         if registered is None:
+            if slot is not None:
+                self.staging.give(slot)
             return None
         dev_id, reg = registered
-        staging = None if _adjacent(local) else np.empty(total, np.uint8)
-        base = local[0][0] if staging is None else staging.ctypes.data
         cut = total - 1  # the probe byte: an object shorter than total fails its GET
         parts = [(0, cut), (cut, 1)] if cut else [(0, 1)]
 
         def finish(ok: bool) -> bool:
-            self.engine.deregister(reg)
-            if ok and staging is not None:
-                _scatter(staging, target)
+            try:
+                self.engine.deregister(reg)
+                if ok:
+                    scatter(slot, target)
+            finally:
+                self.staging.give(slot)
             return ok
 
+        base = address(slot)
         return Job([(base + off, n) for off, n in parts],
-                   [(off, n, dev_id) for off, n in parts], finish, keep=staging)
+                   [(off, n, dev_id) for off, n in parts], finish, keep=slot)
 
     def _write_job(self, key: str, source: Buffers) -> Job | None:
-        local = spans(source)
-        total = sum(n for _, n in local)
-        registered = self._register(key) if total else None
+        total = sum(b.nbytes for b in source)
+        slot = self.staging.take(total) if total else None
+        registered = self._register(key) if slot is not None else None
         if registered is None:
+            if slot is not None:
+                self.staging.give(slot)
             return None
         dev_id, reg = registered
-        staging = None if _adjacent(local) else np.concatenate([b.reshape(-1) for b in source])
+        gather(source, slot)
 
         def finish(ok: bool) -> bool:
-            self.engine.deregister(reg)
+            try:
+                self.engine.deregister(reg)
+            finally:
+                self.staging.give(slot)
             return ok
 
-        base = local[0][0] if staging is None else staging.ctypes.data
-        return Job([(base, total)], [(0, total, dev_id)], finish, keep=staging)
-
-
-def _adjacent(local: list[tuple[int, int]]) -> bool:
-    return all(a + n == b for (a, n), (b, _) in zip(local, local[1:]))
-
-
-def _scatter(staging: np.ndarray, target: Buffers) -> None:
-    offset = 0
-    for buf in target:
-        buf.reshape(-1)[:] = staging[offset:offset + buf.nbytes]
-        offset += buf.nbytes
+        return Job([(address(slot), total)], [(0, total, dev_id)], finish, keep=slot)
 
 
 def _s3_client(cfg: NixlConfig) -> Any:

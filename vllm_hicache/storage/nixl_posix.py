@@ -11,12 +11,15 @@ failed put, so no key can name a path outside the directory.
 
 Invariants:
 
-- Readers never see a partial object: a put writes its buffers into a unique
-  temp file (one NIXL descriptor per buffer, at consecutive offsets), checks
-  the file's size, then ``os.replace``s it over the final name.
+- Readers never see a partial object: a put copies its buffers into a staging
+  slot (nixl_staging.py), writes the slot into a unique temp file (one NIXL
+  descriptor), checks the file's size, then ``os.replace``s it over the final
+  name. A put past its deadline is never published.
 - A get opens the file first and reads only if its size equals the buffers'
   total: a truncated or longer file is a miss without any I/O. The open file
   keeps its inode, so a concurrent overwrite or ``clear`` cannot tear a read.
+  NIXL reads into a staging slot, copied to the caller's buffers only when
+  the read completed within the call.
 - ``clear`` removes only object files and temp files in the fan-out directories.
 """
 
@@ -32,28 +35,16 @@ from functools import partial
 
 from vllm_hicache.storage.base import Buffers
 from vllm_hicache.storage.nixl_engine import Job, NixlEngine
+from vllm_hicache.storage.nixl_staging import StagingPool, address, gather, scatter
 
 _KEY = re.compile(r"[a-z0-9][a-z0-9_-]{0,199}")
 _FAN_OUT = 256
 
 
-def spans(buffers: Buffers) -> list[tuple[int, int]]:
-    """(address, nbytes) of the non-empty buffers, in order."""
-    return [(b.ctypes.data, b.nbytes) for b in buffers if b.nbytes]
-
-
-def at_offsets(local: list[tuple[int, int]], dev_id: int) -> list[tuple[int, int, int]]:
-    """Remote descriptors laying ``local`` end to end from offset 0."""
-    out, offset = [], 0
-    for _, nbytes in local:
-        out.append((offset, nbytes, dev_id))
-        offset += nbytes
-    return out
-
-
 class PosixStore:
-    def __init__(self, engine: NixlEngine, root: str) -> None:
+    def __init__(self, engine: NixlEngine, staging: StagingPool, root: str) -> None:
         self.engine = engine
+        self.staging = staging
         self.root = os.path.abspath(root)
         self._seq = itertools.count()
         try:
@@ -118,51 +109,70 @@ class PosixStore:
     # --- jobs ------------------------------------------------------------------
 
     def _read_job(self, key: str, target: Buffers) -> Job | None:
-        local = spans(target)
+        total = sum(b.nbytes for b in target)
         try:
             fd = os.open(self._final_path(key), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
+        slot = None
         try:
-            remote = at_offsets(local, fd)
-            if not remote or os.fstat(fd).st_size != remote[-1][0] + remote[-1][1]:
-                os.close(fd)
-                return None
+            if not total or os.fstat(fd).st_size != total:
+                raise OSError("no object of this size")
             self.engine.register_fd(fd)
+            slot = self.staging.take(total)
         except Exception:  # noqa: BLE001 - NIXL raises its own error types
+            pass
+        if slot is None:
             os.close(fd)
-            return None
-        return Job(local, remote, partial(_close, fd))
-
-    def _write_job(self, key: str, source: Buffers) -> Job | None:
-        local = spans(source)
-        total = sum(n for _, n in local)
-        temp = self._temp_path(key)
-        fd = _create(temp) if local else None
-        if fd is None:
-            return None
-        try:
-            self.engine.register_fd(fd)
-        except Exception:  # noqa: BLE001 - NIXL raises its own error types
-            os.close(fd)
-            _unlink(temp)
             return None
 
         def finish(ok: bool) -> bool:
             try:
-                ok = ok and os.fstat(fd).st_size == total
-            finally:
                 os.close(fd)
-            try:
                 if ok:
-                    os.replace(temp, self._final_path(key))
-                    return True
-            except OSError:
-                pass
-            _unlink(temp)
-            return False
+                    scatter(slot, target)
+            finally:
+                self.staging.give(slot)
+            return ok
 
-        return Job(local, at_offsets(local, fd), finish)
+        return Job([(address(slot), total)], [(0, total, fd)], finish, keep=slot)
+
+    def _write_job(self, key: str, source: Buffers) -> Job | None:
+        total = sum(b.nbytes for b in source)
+        slot = self.staging.take(total) if total else None
+        if slot is None:
+            return None
+        temp = self._temp_path(key)
+        fd = _create(temp)
+        try:
+            if fd is None:
+                raise OSError("cannot create the temp file")
+            self.engine.register_fd(fd)
+        except Exception:  # noqa: BLE001 - NIXL raises its own error types
+            self.staging.give(slot)
+            if fd is not None:
+                os.close(fd)
+                _unlink(temp)
+            return None
+        gather(source, slot)
+        return Job([(address(slot), total)], [(0, total, fd)],
+                   partial(self._publish, key, temp, fd, total, slot), keep=slot)
+
+    def _publish(self, key: str, temp: str, fd: int, total: int, slot, ok: bool) -> bool:
+        """A put's finish: the temp file becomes the object only if whole."""
+        self.staging.give(slot)
+        try:
+            ok = ok and os.fstat(fd).st_size == total
+        finally:
+            os.close(fd)
+        try:
+            if ok:
+                os.replace(temp, self._final_path(key))
+                return True
+        except OSError:
+            pass
+        _unlink(temp)
+        return False
 
 
 def _create(path: str) -> int | None:
@@ -179,11 +189,6 @@ def _create(path: str) -> int | None:
         return os.open(path, flags, 0o644)
     except OSError:
         return None
-
-
-def _close(fd: int, ok: bool) -> bool:
-    os.close(fd)
-    return ok
 
 
 def _unlink(path: str) -> None:

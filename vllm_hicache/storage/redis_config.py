@@ -17,6 +17,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from vllm_hicache.storage.options import check_range, reject_unknown, require
 from urllib.parse import urlsplit
 
 from redis.connection import parse_url
@@ -63,12 +65,12 @@ class RedisConfig:
                 f"invalid redis backend option key_prefix={prefix!r}: a non-empty printable "
                 "ASCII string is required (clear() deletes every key starting with it)"
             )
-        _check_range("socket_timeout_s", self.socket_timeout_s, 0.0, 600.0)
-        _check_range("connect_timeout_s", self.connect_timeout_s, 0.0, _MAX_CONNECT_TIMEOUT_S)
-        _check_range("startup_wait_s", self.startup_wait_s, 0.0, _MAX_STARTUP_WAIT_S, with_low=True)
-        _check_range("max_connections", self.max_connections, 0, 4096)
-        _check_range("batch_size", self.batch_size, 0, 1 << 20)
-        _check_range("batch_bytes", self.batch_bytes, 0, 1 << 40)
+        check_range("redis", "socket_timeout_s", self.socket_timeout_s, 0.0, 600.0)
+        check_range("redis", "connect_timeout_s", self.connect_timeout_s, 0.0, _MAX_CONNECT_TIMEOUT_S)
+        check_range("redis", "startup_wait_s", self.startup_wait_s, 0.0, _MAX_STARTUP_WAIT_S, with_low=True)
+        check_range("redis", "max_connections", self.max_connections, 0, 4096)
+        check_range("redis", "batch_size", self.batch_size, 0, 1 << 20)
+        check_range("redis", "batch_bytes", self.batch_bytes, 0, 1 << 40)
 
     @property
     def address(self) -> str:
@@ -79,16 +81,8 @@ class RedisConfig:
     def from_options(cls, options: Mapping[str, Any]) -> RedisConfig:
         """Validate ``options`` (names, types, ranges) into a config."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise ValueError(
-                f"unknown redis backend option(s) {unknown}; accepted: {sorted(fields)}"
-            )
-        if "url" not in options:
-            raise ValueError(
-                "redis backend option 'url' is required, e.g. redis://127.0.0.1:6379/0 "
-                "or unix:///run/redis/redis.sock"
-            )
+        reject_unknown("redis", options, fields)
+        require("redis", options, "url", "e.g. redis://127.0.0.1:6379/0 or unix:///run/redis/redis.sock")
         values = {name: _coerce(name, fields[name].type, v) for name, v in options.items()}
         return cls(**values)
 
@@ -111,13 +105,6 @@ def _coerce(name: str, annotation: str, value: Any) -> Any:
     raise ValueError(f"invalid redis backend option {name}={value!r}: expected {annotation}")
 
 
-def _check_range(
-    name: str, value: float, low: float, high: float, *, with_low: bool = False
-) -> None:
-    """``low < value <= high`` (``low <=`` if with_low), else a ValueError naming the option."""
-    if not (low <= value if with_low else low < value) or value > high:
-        interval = f"{'[' if with_low else '('}{low}, {high}]"
-        raise ValueError(f"invalid redis backend option {name}={value!r}: must be in {interval}")
 
 
 def _check_url(url: str) -> None:
