@@ -2,8 +2,8 @@
 
 Conformance, then what NIXL makes special: truncated or longer files,
 concurrent overwrites, a failing request inside a batch, transfers that miss
-their deadline (parked, reaped later), the registered host pool, clear, and
-the start-up and option errors.
+their deadline (parked, reaped later, never touching the caller's buffers),
+clear, and the start-up and option errors (staging: test_nixl_staging.py).
 """
 
 from __future__ import annotations
@@ -152,27 +152,57 @@ def test_transfer_past_deadline_is_a_miss_within_the_bound(tmp_path, built):
     assert not any(n.endswith(".tmp") or n in fresh for n in leftovers), leftovers
 
 
-# --- the registered host pool --------------------------------------------------
+def overlaps(spans, buffers) -> bool:
+    """Whether any (address, nbytes, ...) span overlaps one of ``buffers``."""
+    return any(s[0] < b.ctypes.data + b.nbytes and b.ctypes.data < s[0] + s[1]
+               for s in spans for b in buffers)
 
 
-def test_pool_pages_are_not_registered_per_call(tmp_path, built, monkeypatch):
-    b = built(posix_spec(tmp_path))
-    pool = np.zeros(4 * (OBJECT_BYTES - 64), np.uint8)
-    b.register_memory(pool)
-    pages = pool.reshape(4, -1)
-    calls = []
-    real = b._engine.agent.register_memory
-    monkeypatch.setattr(b._engine.agent, "register_memory",
-                        lambda descs, mem, *a: calls.append((mem, descs)) or real(descs, mem, *a))
-    ks = keys(2)
-    sources = [obj(0), obj(1)]
-    pages[0][:], pages[1][:] = sources[0][1], sources[1][1]
-    assert b.put(ks, [[sources[0][0], pages[0]], [sources[1][0], pages[1]]]) == [True, True]
-    headers = [np.zeros(64, np.uint8), np.zeros(64, np.uint8)]
-    assert b.get(ks, [[headers[0], pages[2]], [headers[1], pages[3]]]) == [True, True]
-    assert same([headers[0], pages[2]], sources[0]) and same([headers[1], pages[3]], sources[1])
-    dram = [d for mem, descs in calls if mem == "DRAM" for d in descs]
-    assert dram and all(n == 64 for _, n, _, _ in dram), dram
+def late_transfers_leave_caller_buffers_alone(b) -> list[str]:
+    """Scenario: 1. NIXL accepts every request but runs none and reports it still
+    running; 2. get (into sentinel-filled buffers) and put return misses, their
+    requests parked; no parked job points into the caller's buffers; 3. the caller
+    reuses its pages at once (overwrites the put's sources); 4. the parked requests
+    now really run, late, and are reaped; 5. the get's buffers still hold the
+    sentinel. Returns the keys of the put, which a late PutObject (OBJ) may store."""
+    stored, fresh = keys(2), keys(2)
+    assert b.put(stored, [obj(0), obj(1)]) == [True, True]
+    agent, deferred = b._engine.agent, []
+    real_transfer, real_check = agent.transfer, agent.check_xfer_state
+    agent.transfer = lambda handle, *a: deferred.append(handle) or "PROC"
+    agent.check_xfer_state = lambda handle: "PROC"
+    targets = [[np.full(n, 0xA5, np.uint8) for n in (64, OBJECT_BYTES - 64)] for _ in stored]
+    sentinel = [[t.copy() for t in target] for target in targets]
+    sources = [obj(2), obj(3)]
+    try:
+        assert b.get(stored, targets) == [False, False]
+        assert b.put(fresh, sources) == [False, False]
+        caller = [buf for bufs in targets + sources for buf in bufs]
+        parked = [span for _, group in b._engine._parked for job in group for span in job.local]
+        assert len(parked) >= 4 and not overlaps(parked, caller)
+    finally:
+        agent.transfer, agent.check_xfer_state = real_transfer, real_check
+    for buf in (buf for bufs in sources for buf in bufs):
+        buf[:] = 0x5A  # the caller reuses the put's pages right away
+    for handle in deferred:  # the late I/O
+        real_transfer(handle)
+    stop = time.monotonic() + 10
+    while b.stats()["parked_transfers"] and time.monotonic() < stop:
+        b._engine.reap()
+        time.sleep(0.01)
+    assert b.stats()["parked_transfers"] == 0 and len(deferred) >= 2
+    assert all(same(t, s) for t, s in zip(targets, sentinel))
+    return fresh
+
+
+def test_late_transfers_never_touch_caller_buffers(tmp_path, built):
+    b = built(posix_spec(tmp_path, timeout_s=0.3))
+    fresh = late_transfers_leave_caller_buffers_alone(b)
+    assert b.exists_prefix(fresh) == 0  # a put reported False is never published
+    ks = keys(1)  # the agent and the staging slots still work
+    target = empty()
+    assert b.put(ks, [obj(7)]) == [True] and b.get(ks, [target]) == [True]
+    assert same(target, obj(7))
 
 
 # --- clear -------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The nixl L3 backend with NIXL's OBJ plugin against a local S3 server (moto).
 
 moto_server runs on loopback for this module (services_nixl.py). Conformance,
-then what S3 makes special: a truncated object (the probe byte), buffers that
-are adjacent in memory (no staging), transfers past their deadline (an upload
-already sent may land late, but whole), clear by prefix, and start-up errors.
+then what S3 makes special: a truncated object (the probe byte), views of one
+array, transfers past their deadline (an upload already sent may land late,
+but whole and with the call's bytes; a late GET never reaches the caller's
+buffers), clear by prefix, and start-up errors.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 
 from tests.storage import services_nixl
 from tests.storage.conformance import OBJECT_BYTES, BackendConformance, empty, keys, make, obj, same
-from tests.storage.test_nixl import built, run_past_deadline  # noqa: F401 - fixture
+from tests.storage.test_nixl import (  # noqa: F401 - fixture
+    built, late_transfers_leave_caller_buffers_alone, run_past_deadline)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -59,8 +61,7 @@ def test_obj_truncated_object_is_a_miss(moto, built):
     assert same(targets[1], obj(1))
 
 
-def test_obj_adjacent_buffers_skip_staging(moto, built):
-    """Views of one array go straight to NIXL; the bytes are the same either way."""
+def test_obj_views_of_one_array_round_trip(moto, built):
     b = built(obj_spec(moto))
     ks = keys(2)
     flat = [np.concatenate(obj(i)) for i in range(2)]
@@ -68,6 +69,16 @@ def test_obj_adjacent_buffers_skip_staging(moto, built):
     out = np.zeros((2, OBJECT_BYTES), np.uint8)
     assert b.get(ks, [[o[:64], o[64:]] for o in out]) == [True, True]
     assert all(np.array_equal(o, f) for o, f in zip(out, flat))
+
+
+def test_obj_late_transfers_never_touch_caller_buffers(moto, built):
+    """A late GET lands in its staging slot only; a late PutObject uploads the
+    bytes of the call, not the page the caller overwrote after put returned."""
+    b = built(obj_spec(moto, timeout_s=0.3))
+    fresh = late_transfers_leave_caller_buffers_alone(b)
+    late = [empty(), empty()]
+    got = b.get(fresh, late)
+    assert all(same(t, obj(2 + i)) for i, t in enumerate(late) if got[i]), got
 
 
 def test_obj_transfer_past_deadline_is_a_miss_within_the_bound(moto, built):

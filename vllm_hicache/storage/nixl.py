@@ -88,6 +88,7 @@ class NixlBackend(StorageBackend):
         plugin = self.config.plugin
         self._engine = _start_engine(self.config)
         self._staging = StagingPool(self._engine, ctx.object_bytes)
+        self._engine.retire = self._staging.retire
         try:
             self._store = self._open_store()
         except BaseException:

@@ -1,12 +1,11 @@
 """One NIXL agent with one storage plugin: DRAM <-> FILE/OBJ transfers with a deadline.
 
-A *job* moves one object: local DRAM spans and remote (FILE or OBJ)
-descriptors, pairwise, plus a ``finish(ok) -> bool`` callback that releases
-the job's resources (file descriptors, remote registrations, staging buffers)
-and turns the transfer's outcome into the key's result.
+A *job* moves one object: local DRAM spans and remote (FILE or OBJ) descriptors,
+pairwise, plus a ``finish(ok) -> bool`` callback that releases the job's
+resources and turns the transfer's outcome into the key's result.
 
-Invariant: ``finish`` runs exactly once, and only when no I/O can touch the
-job's memory or descriptors any more. NIXL cannot cancel a running transfer:
+Invariant: ``finish`` runs exactly once, after NIXL said DONE or ERR (ERR of a
+multi-job request: slots retired). NIXL cannot cancel a running transfer:
 releasing an in-progress handle frees the plugin's request while queued AIO
 or S3 callbacks still reference it. So a transfer that misses its deadline is
 *parked* (handle, registrations and buffers kept alive) and reported as a
@@ -30,15 +29,12 @@ logger = logging.getLogger(__name__)
 
 INSTALL = ("pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 "
            "(nixl-cu13==1.5.1 where CUDA 13 is installed)")
-# With buffered files, libaio copies the data inside the poll that submits the
-# next 64 I/Os: a poll that took a while did work, and the next follows at once
-# (sleeping cost ~25% of 1024 x 64 KiB page-cache reads). A poll that returns at
-# once found nothing to do: back off from 10 us, doubling, to 1 ms, so a hung
-# store does not cost a busy core.
+# libaio copies buffered data inside the poll that submits the next 64 I/Os: a
+# slow poll did work, and the next follows at once. A poll that returns at once
+# found nothing: back off from 10 us, doubling, to 1 ms (a hung store costs no core).
 _BUSY_POLL_S = 50e-6
 _MAX_POLL_SLEEP_S = 1e-3
-# close() waits this long at most for parked transfers before leaking them.
-_CLOSE_WAIT_S = 2.0
+_CLOSE_WAIT_S = 2.0  # close() waits this long for parked transfers, then leaks them
 
 
 class _SharedReg:
@@ -63,8 +59,7 @@ class Job:
     remote: list[tuple[int, int, int]]
     # Releases the job's resources; ok = the transfer completed. Returns the key's result.
     finish: Callable[[bool], bool]
-    # Memory the transfer uses that nobody else holds (a staging buffer): it
-    # must live until ``finish``, which may be long after the call returned.
+    # The staging slot the transfer uses: it lives until ``finish``.
     keep: Any = None
     # The call's DRAM registration of spans outside the registered regions.
     dram_reg: _SharedReg | None = None
@@ -103,8 +98,7 @@ class NixlEngine:
         self._lock = threading.Lock()
         self._dev_ids = itertools.count(1)
         self.num_timeouts = 0
-
-    # --- registration ------------------------------------------------------
+        self.retire: Callable[[Any], None] | None = None  # StagingPool.retire
 
     def register_region(self, region: np.ndarray) -> None:
         start = region.ctypes.data
@@ -116,10 +110,8 @@ class NixlEngine:
         return self.agent.register_memory(descs, self.remote_mem)
 
     def register_fd(self, fd: int) -> None:
-        """Make ``fd`` usable in FILE descriptors. The POSIX plugin keeps nothing
-        per FILE registration (the fd is the device id) and the OS reuses fd
-        numbers, so a number stays registered until close() rather than paying a
-        register + deregister (~30 us) per object."""
+        """Make ``fd`` usable in FILE descriptors. The POSIX plugin keeps nothing per
+        FILE registration and the OS reuses fd numbers: registered until close()."""
         with self._lock:
             if fd in self._fds:
                 return
@@ -149,8 +141,7 @@ class NixlEngine:
             logger.debug("nixl: DRAM registration failed", exc_info=True)
             for job in users:
                 self._finish(job, False)
-            failed = {id(job) for job in users}
-            return [job for job in jobs if id(job) not in failed]
+            return [job for job in jobs if job not in users]  # Job: eq=False, by identity
         for job in users:
             job.dram_reg = shared
         return list(jobs)
@@ -213,8 +204,16 @@ class NixlEngine:
                 for job in group:
                     self._finish(job, True)
             else:
-                failed.extend(group)
+                failed.extend(self._retire(group))
         return still
+
+    def _retire(self, group: list[Job]) -> list[Job]:
+        """A request of several I/Os can say ERR while others still run (NIXL does not
+        wait for them): its jobs' staging slots are never reused."""
+        if len(group) > 1 and self.retire is not None:
+            for job in group:
+                self.retire(job.keep)
+        return group
 
     def _post(self, op: str, group: list[Job]) -> Any:
         # Nx3 arrays: NIXL converts them ~50x faster than lists of tuples.
@@ -271,11 +270,12 @@ class NixlEngine:
             parked, self._parked = self._parked, []
         still = []
         for handle, group in parked:
-            if self._state(handle) == "PROC":
+            state = self._state(handle)
+            if state == "PROC":
                 still.append((handle, group))
                 continue
             self._release(handle)
-            for job in group:
+            for job in group if state == "DONE" else self._retire(group):
                 self._finish(job, False)
         with self._lock:
             self._parked.extend(still)

@@ -12,7 +12,7 @@ Invariants:
   of the caller's buffers. A put that misses its deadline is reported False
   but may still land later: whole, and with the bytes of the call, never of
   a page the caller reused afterwards.
-- A get is two ranged GETs in one NIXL request: bytes ``[0, n-1)`` and the
+- A get is two ranged GETs, each its own NIXL request: bytes ``[0, n-1)`` and the
   probe byte ``[n-1, n)``, where n is the buffers' total, into a staging
   slot copied to the caller's buffers only on success. An object shorter
   than n fails the probe (HTTP 416), so a truncated object is a miss. A
@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,9 +80,9 @@ class ObjStore:
         return len(keys)
 
     def get(self, keys: Sequence[str], targets: Sequence[Buffers], timeout_s: float) -> list[bool]:
-        jobs = [self._read_job(k, t) for k, t in zip(keys, targets)]
-        self.engine.transfer("READ", [j for j in jobs if j is not None], timeout_s, batch=False)
-        return [job is not None and job.done for job in jobs]
+        jobs = [self._read_jobs(k, t) for k, t in zip(keys, targets)]
+        self.engine.transfer("READ", [j for parts in jobs for j in parts], timeout_s, batch=False)
+        return [bool(parts) and all(j.done for j in parts) for parts in jobs]
 
     def put(self, keys: Sequence[str], sources: Sequence[Buffers], timeout_s: float) -> list[bool]:
         jobs = [self._write_job(k, s) for k, s in zip(keys, sources)]
@@ -106,30 +107,39 @@ class ObjStore:
         except Exception:  # noqa: BLE001 - NIXL raises its own error types
             return None
 
-    def _read_job(self, key: str, target: Buffers) -> Job | None:
+    def _read_jobs(self, key: str, target: Buffers) -> list[Job]:
+        """Two single-descriptor requests: the OBJ plugin reports ERR as soon as one
+        GET of a request fails, with the request's other GETs possibly still running;
+        alone in its request, a GET has ended when its request says DONE or ERR."""
         total = sum(b.nbytes for b in target)
         slot = self.staging.take(total) if total else None
         registered = self._register(key) if slot is not None else None
         if registered is None:
             if slot is not None:
                 self.staging.give(slot)
-            return None
+            return []
         dev_id, reg = registered
         cut = total - 1  # the probe byte: an object shorter than total fails its GET
         parts = [(0, cut), (cut, 1)] if cut else [(0, 1)]
+        oks: list[bool] = []
+        lock = threading.Lock()
 
         def finish(ok: bool) -> bool:
-            try:
+            with lock:
+                oks.append(ok)
+                if len(oks) < len(parts):
+                    return ok
+            try:  # the last part ended: no GET of this key runs any more
                 self.engine.deregister(reg)
-                if ok:
+                if all(oks):  # both ended within the call (a reaped part is False)
                     scatter(slot, target)
             finally:
                 self.staging.give(slot)
             return ok
 
         base = address(slot)
-        return Job([(base + off, n) for off, n in parts],
-                   [(off, n, dev_id) for off, n in parts], finish, keep=slot)
+        return [Job([(base + off, n)], [(off, n, dev_id)], finish, keep=slot)
+                for off, n in parts]
 
     def _write_job(self, key: str, source: Buffers) -> Job | None:
         total = sum(b.nbytes for b in source)

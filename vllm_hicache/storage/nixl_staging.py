@@ -14,6 +14,10 @@ only ever touches a *slot* of this pool:
 
 A slot returns to the pool only in the job's ``finish``, i.e. once NIXL says
 the transfer ended, so a parked transfer keeps its slot and nobody else's.
+NIXL's ERR does not always mean that: a request of several I/Os (a POSIX
+batch) reports ERR at its first failed I/O while others may still run, so the
+engine *retires* the slots of such a request: they never return to the pool
+(failures are rare; retired slots count against the cap below).
 
 Memory: slots of ``object_bytes`` (rounded up to 4 KiB) in arenas registered
 with the agent once (a 64 MiB arena first, then each new arena as large as all
@@ -49,6 +53,7 @@ class StagingPool:
         self.max_bytes = max(_MIN_CAP_BYTES, _CAP_OBJECTS * self.slot_bytes)
         self._arenas: list[np.ndarray] = []
         self._free: list[np.ndarray] = []
+        self._retired: dict[int, np.ndarray] = {}  # address -> slot not to reuse
         self._lock = threading.Lock()
 
     @property
@@ -69,7 +74,19 @@ class StagingPool:
         if slot.nbytes != self.slot_bytes:
             return  # an oversized buffer of its own: freed with its last reference
         with self._lock:
-            self._free.append(slot)
+            if self._retired.pop(address(slot), None) is None:
+                self._free.append(slot)
+
+    def retire(self, slot: Any) -> None:
+        """``slot`` may be written after its job ends: ``give`` then keeps it out of
+        the pool for good (an oversized buffer is kept alive forever instead)."""
+        if slot is None:
+            return
+        with self._lock:
+            if slot.nbytes == self.slot_bytes:
+                self._retired[address(slot)] = slot
+            else:
+                _LEAKED.append(slot)
 
     def _grow(self) -> bool:
         have = self.nbytes
