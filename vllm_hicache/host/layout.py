@@ -40,8 +40,35 @@ from vllm_hicache.config import MEM_LAYOUTS
 NATIVE_LAYOUTS = ("layer_first", "page_first_direct")
 
 
+class BlockDims:
+    """Named sizes of ``dims`` = [planes, kernel_blocks, kernel_block_size,
+    heads, head_size], shared by host and device block descriptors."""
+
+    dims: tuple[int, int, int, int, int]
+
+    @property
+    def planes(self) -> int:
+        return self.dims[0]
+
+    @property
+    def kernel_blocks(self) -> int:
+        return self.dims[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.dims[1] * self.dims[2]
+
+    @property
+    def heads(self) -> int:
+        return self.dims[3]
+
+    @property
+    def head_size(self) -> int:
+        return self.dims[4]
+
+
 @dataclass(frozen=True)
-class BlockOrder:
+class BlockOrder(BlockDims):
     """Order of one block's elements inside a host row of E elements.
 
     ``dims`` are the sizes of [planes, kernel_blocks, kernel_block_size,
@@ -83,21 +110,6 @@ class BlockOrder:
     def elems(self) -> int:
         return math.prod(self.dims)
 
-    @property
-    def planes(self) -> int:
-        return self.dims[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.dims[1] * self.dims[2]
-
-    @property
-    def heads(self) -> int:
-        return self.dims[3]
-
-    @property
-    def head_size(self) -> int:
-        return self.dims[4]
 
     def view(self, rows: torch.Tensor) -> torch.Tensor:
         """View rows ``[..., E]`` (last dim contiguous) as ``[..., *dims]``."""

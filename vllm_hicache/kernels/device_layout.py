@@ -38,14 +38,14 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_hicache.host.layout import BlockOrder
+from vllm_hicache.host.layout import BlockDims, BlockOrder
 
 PACKED_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 CPU_BACKENDS = ("CPU_ATTN",)
 
 
 @dataclass(frozen=True)
-class DeviceKVLayout:
+class DeviceKVLayout(BlockDims):
     """Frozen description of one layer's L1 KV tensor (all layers share one)."""
 
     backend_name: str
@@ -63,26 +63,6 @@ class DeviceKVLayout:
     segment_offsets: tuple[int, ...]
     segment_elems: int
     block_order: BlockOrder
-
-    @property
-    def planes(self) -> int:
-        return self.dims[0]
-
-    @property
-    def kernel_blocks(self) -> int:
-        return self.dims[1]
-
-    @property
-    def block_size(self) -> int:
-        return self.dims[1] * self.dims[2]
-
-    @property
-    def heads(self) -> int:
-        return self.dims[3]
-
-    @property
-    def head_size(self) -> int:
-        return self.dims[4]
 
     @property
     def block_stride(self) -> int:
