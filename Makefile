@@ -46,6 +46,10 @@ test-fast: $(STAMP)
 bench: $(STAMP) $(MODEL)/.complete
 	$(PY) benchmarks/bench_copy.py
 	$(PY) benchmarks/bench_scheduler.py --model $(MODEL)
+	$(PY) benchmarks/bench_l3_file.py
+	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_redis.py
+	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_mooncake.py
+	$(PY) benchmarks/bench_l3_nixl.py
 
 clean:
 	rm -rf $(VENV) .cache
