@@ -160,3 +160,23 @@ def test_admin_clear_empties_l3_and_reset_keeps_it(tiny_model_dir):
     assert len(store) == 3  # reset_cache leaves L3 alone
     h.sched_half.l3.clear_storage()
     assert len(store) == 0
+
+
+def test_lookup_backlog_is_bounded(tiny_model_dir, monkeypatch):
+    """Scenario: the store hangs; requests keep arriving. Lookups beyond the
+    cap are skipped (no L3 hit) instead of queueing without bound."""
+    from vllm_hicache.connector import l3_scheduler
+
+    monkeypatch.setattr(l3_scheduler, "MAX_PENDING_LOOKUPS", 3)
+    h, _ = l3_harness(tiny_model_dir, policy="best_effort")
+    planner = h.sched_half.l3
+    gate = threading.Event()
+    monkeypatch.setattr(planner, "_exists", lambda hashes: gate.wait(10) and 0)
+    try:
+        for i in range(6):
+            h.add(f"r{i}", prompt(30 + i, 3 * BLOCK + 1), max_tokens=1)
+        assert planner.skipped_lookups == 3
+    finally:
+        gate.set()
+    h.run()
+    assert_clean(h)

@@ -32,6 +32,9 @@ from vllm_hicache.storage_config import StorageConfig
 
 logger = logging.getLogger(__name__)
 
+# Lookups queued or running at once, at most (one lookup thread).
+MAX_PENDING_LOOKUPS = 256
+
 # (chain hashes up to the last stored block, stored block indices, pages)
 StoredChain = tuple[tuple[bytes, ...], list[int], list[int]]
 
@@ -74,6 +77,7 @@ class StoragePlanner:
         self._backup_acks: dict[int, set[int]] = {}
         self._op_ids = itertools.count()
         self.prefetched_blocks = 0
+        self.skipped_lookups = 0
         self.backed_up_blocks = 0
 
     # --- lookups -----------------------------------------------------------
@@ -81,6 +85,11 @@ class StoragePlanner:
     def start_lookup(self, req_id: str, chain: tuple[bytes, ...], start: int) -> None:
         """Look up blocks [start, len(chain)) of a new request in L3."""
         if len(chain) - start < self.threshold_blocks:
+            return
+        if self._pending_lookups() >= MAX_PENDING_LOOKUPS:
+            # A slow or dead store must not build an unbounded backlog: the
+            # request simply gets no L3 hit.
+            self.skipped_lookups += 1
             return
         tokens = (len(chain) - start) * self.block_size
         # wait_complete too is bounded (invariant 3): by prefetch_timeout_max.
@@ -116,8 +125,13 @@ class StoragePlanner:
             logger.warning("HiCache L3 lookup failed", exc_info=True)
             return 0
 
+    def _pending_lookups(self) -> int:
+        return sum(1 for x in self._lookups.values() if not x.future.done())
+
     def forget(self, req_id: str) -> None:
-        self._lookups.pop(req_id, None)
+        lookup = self._lookups.pop(req_id, None)
+        if lookup is not None:
+            lookup.future.cancel()  # no-op if it already runs
 
     # --- per step ------------------------------------------------------------
 
