@@ -17,15 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+from tests.storage.ports import free_port
+
 INSTALL_HINT = ("apt-get install -y libibverbs1 && "
                 "pip install mooncake-transfer-engine-non-cuda")
 _READY_TIMEOUT_S = 20.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def binary(name: str) -> str:

@@ -14,16 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+from tests.storage.ports import free_port
+
 INSTALL_HINT = "pip install 'moto[server]' boto3"
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing-secret"
 _READY_TIMEOUT_S = 30.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _moto_binary() -> str | None:

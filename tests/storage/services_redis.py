@@ -14,14 +14,12 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.storage.ports import free_port
+
 INSTALL_HINT = "apt-get install -y redis-server"
 _READY_TIMEOUT_S = 15.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
