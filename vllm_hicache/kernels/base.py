@@ -31,6 +31,7 @@ import torch
 from vllm_hicache.config import IO_BACKENDS
 from vllm_hicache.host.pool import HostKVPool
 from vllm_hicache.kernels.device_layout import DeviceKVLayout
+from vllm_hicache.kernels.plan import check_compatible
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,16 @@ class KVTransfer(ABC):
     """
 
     io_backend: str
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layouts: Sequence[DeviceKVLayout],
+        pool: HostKVPool,
+    ) -> None:
+        self._layout = check_compatible(kv_caches, layouts, pool)
+        self._pool = pool
+        self._tracker = CopyTracker(kv_caches[0].device)
 
     @abstractmethod
     def store(self, block_ids: Sequence[int], page_ids: Sequence[int]) -> None:
@@ -67,9 +78,6 @@ class KVTransfer(ABC):
         """Copy host pages into L1 blocks for one layer (layerwise loading:
         issued from ``start_load_kv``, overlapped with the forward; the
         attention of that layer calls ``wait_layer`` first)."""
-
-    # Set by implementations: records one event per issued copy.
-    _tracker: CopyTracker
 
     def synchronize(self) -> None:
         """Block the calling thread until every issued copy has finished

@@ -27,12 +27,11 @@ import torch
 from typing_extensions import override
 
 from vllm_hicache.host.pool import HostKVPool
-from vllm_hicache.kernels.base import CopyTracker, KVTransfer, check_ids
+from vllm_hicache.kernels.base import KVTransfer, check_ids
 from vllm_hicache.kernels.device_layout import DeviceKVLayout
 from vllm_hicache.kernels.plan import (
     CopyPair,
     Run,
-    check_compatible,
     layer_pairs,
     merge_runs,
     stacked_pairs,
@@ -54,13 +53,11 @@ class DirectTransfer(KVTransfer):
         layouts: Sequence[DeviceKVLayout],
         pool: HostKVPool,
     ) -> None:
-        self._layout = check_compatible(kv_caches, layouts, pool)
-        self._pool = pool
+        super().__init__(kv_caches, layouts, pool)
         self._layer_pairs = [
             layer_pairs(pool, self._layout, tensor, layer)
             for layer, tensor in enumerate(kv_caches)
         ]
-        self._tracker = CopyTracker(kv_caches[0].device)
         stacked = stacked_pairs(pool, self._layout, kv_caches)
         if stacked and self._tracker.is_async and not all(map(memcpy_runs, stacked)):
             # Host <-> device copy_ of a non-contiguous view goes through

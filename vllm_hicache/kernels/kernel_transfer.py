@@ -21,9 +21,8 @@ import torch
 from typing_extensions import override
 
 from vllm_hicache.host.pool import HostKVPool
-from vllm_hicache.kernels.base import CopyTracker, KVTransfer, check_ids
+from vllm_hicache.kernels.base import KVTransfer, check_ids
 from vllm_hicache.kernels.device_layout import DeviceKVLayout
-from vllm_hicache.kernels.plan import check_compatible
 
 
 def _unit_bytes(*values: int) -> int:
@@ -45,8 +44,8 @@ class KernelTransfer(KVTransfer):
         from vllm_hicache.kernels import triton_copy
 
         self._ops = triton_copy
-        self._layout = layout = check_compatible(kv_caches, layouts, pool)
-        self._pool = pool
+        super().__init__(kv_caches, layouts, pool)
+        layout = self._layout
         self._device = kv_caches[0].device
         if self._device.type == "cuda" and not pool.is_pinned:
             raise ValueError("the kernel I/O backend needs a pinned host pool (UVA)")
@@ -61,7 +60,6 @@ class KernelTransfer(KVTransfer):
         self._esize = esize = kv_caches[0].element_size()
         self._layer_bases = [t.data_ptr() for t in kv_caches]
         self._host_base = pool.buffer.data_ptr()
-        self._tracker = CopyTracker(self._device)
         if pool.layout.is_native:
             rows = pool.layout.rows(pool.buffer)
             self._host_page_bytes = rows.stride(0) * esize
