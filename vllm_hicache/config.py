@@ -51,6 +51,16 @@ class HiCacheConfig:
     hicache_load_mode: str = "layerwise"
     # The L3 tier, or None (hicache_storage_* keys; see StorageConfig).
     storage: StorageConfig | None = None
+    # Your name for the model's weights, e.g. "llama3-8b-sft-2026-11-30" (no
+    # SGLang flag). It goes into every L3 key in place of the fingerprint of
+    # the weight files (names, sizes, sampled bytes of *.safetensors, *.bin,
+    # *.pt and config.json) computed at start. Change it whenever the weights
+    # change without their name, path or revision changing: a checkpoint
+    # rewritten in place on a hub, or a LoRA adapter replaced under the same
+    # name and path (vLLM's block hashes name an adapter, not its weights).
+    # It adds to the model name (path) and revision, never replaces them.
+    # Empty: use the fingerprint.
+    model_version: str = ""
 
     @property
     def host_bytes_override(self) -> int:
@@ -81,6 +91,8 @@ class HiCacheConfig:
 def _parse_field(name: str, value: Any) -> Any:
     if name in ("hicache_ratio", "hicache_size"):
         return _parse_number(name, value)
+    if name == "model_version":
+        return _parse_model_version(value)
     choices = {
         "hicache_write_policy": WRITE_POLICIES,
         "hicache_mem_layout": MEM_LAYOUTS,
@@ -91,6 +103,29 @@ def _parse_field(name: str, value: Any) -> Any:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(
             f"invalid {name}={value!r}; accepted: {', '.join(choices)}"
+        )
+    return value
+
+
+# Long enough for a digest or a date-stamped name; a key component, not a note.
+_MODEL_VERSION_MAX_CHARS = 256
+
+
+def _parse_model_version(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(
+            f"invalid model_version={value!r}; expected a string naming the weights "
+            "(empty = fingerprint the weight files)"
+        )
+    if len(value) > _MODEL_VERSION_MAX_CHARS or not value.isprintable():
+        raise ValueError(
+            f"invalid model_version={value!r}; expected at most "
+            f"{_MODEL_VERSION_MAX_CHARS} printable characters"
+        )
+    if value != value.strip():
+        # "v2" and "v2 " would silently be two namespaces.
+        raise ValueError(
+            f"invalid model_version={value!r}; leading or trailing whitespace is not allowed"
         )
     return value
 

@@ -48,6 +48,11 @@ class Harness:
     load_checks: list[bool] = field(default_factory=list)
     # Tokens a request had computed (local + L2 hit) when first scheduled.
     first_computed: dict[str, int] = field(default_factory=dict)
+    # Async loads handed to the worker, checked when reported finished.
+    pending_async: dict[str, object] = field(default_factory=dict)
+    # Rewrites the workers' message before the scheduler sees it (to delay,
+    # reorder or split acknowledgements); None passes it through.
+    worker_meta_filter: object = None
 
     @property
     def sched_half(self):
@@ -78,19 +83,25 @@ class Harness:
             w.start_load_kv(None)
         for name in self.kv:
             w.wait_for_layer_load(name)
-        self._verify_loads(meta.loads)
         self._fake_forward(so)
         if not so.has_sync_kv_loads:
             w.start_load_kv(None)
         w.wait_for_save()
+        self.pending_async.update((job.req_id, job) for job in meta.async_loads)
         if complete_async and w.worker._async is not None:
             _drain(w.worker._async)
-            self._verify_loads(meta.async_loads)
         if complete_async and w.worker._io is not None:
             assert w.worker._io.wait_idle(10)
         sending, recving = w.get_finished(so.finished_req_ids)
         errors = w.get_block_ids_with_load_errors()
+        # A load must have put exactly the computed bytes in place, unless
+        # the worker reported its blocks as failed (the forward never writes
+        # loaded blocks: they count as computed).
+        done = [self.pending_async.pop(r) for r in recving or () if r in self.pending_async]
+        self._verify_loads([j for j in [*meta.loads, *done] if not set(j.copy.block_ids) & errors])
         worker_meta = w.build_connector_worker_meta()
+        if self.worker_meta_filter is not None:
+            worker_meta = self.worker_meta_filter(worker_meta)
         w.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
         kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
@@ -113,6 +124,8 @@ class Harness:
     def _verify_loads(self, jobs) -> None:
         for job in jobs:
             req = self.hashes_of[job.req_id]
+            if job.req_id not in self.scheduler.requests:
+                continue  # aborted meanwhile: its blocks may already be reused
             blocks = self.scheduler.kv_cache_manager.get_block_ids(job.req_id)[0]
             for block_id in job.copy.block_ids:
                 idx = blocks.index(block_id)
@@ -171,7 +184,8 @@ def _drain(loader, timeout_s: float = 10.0) -> None:
 
 
 def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
-                 max_batched: int = 256, **extra) -> Harness:
+                 max_batched: int = 256, load_failure_policy: str = "recompute",
+                 **extra) -> Harness:
     init_none_hash(sha256)
     extra.setdefault("hicache_io_backend", "direct")
     vllm_config = VllmConfig(
@@ -183,7 +197,8 @@ def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HiCacheConnector", kv_connector_module_path="vllm_hicache",
-            kv_role="kv_both", kv_connector_extra_config=extra),
+            kv_role="kv_both", kv_connector_extra_config=extra,
+            kv_load_failure_policy=load_failure_policy),
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE,

@@ -63,3 +63,43 @@ class MemBackend(StorageBackend):
 
     def close(self):
         pass
+
+
+class FlakyMemBackend(MemBackend):
+    """MemBackend whose calls are slow and fail at random (seeded): gets
+    and puts report failures, lookups raise, the way a congested or
+    half-broken store behaves. Options: ``fail_rate``, ``delay_s``, ``seed``."""
+
+    name = "flaky-mem"
+
+    def __init__(self, options, ctx) -> None:
+        import random
+
+        options = dict(options)
+        self.fail_rate = float(options.pop("fail_rate", 0.2))
+        self.delay_s = float(options.pop("delay_s", 0.0))
+        self._rng = random.Random(int(options.pop("seed", 0)))
+        self._rng_lock = threading.Lock()
+        super().__init__(options, ctx)
+
+    def _bad_luck(self) -> bool:
+        import time
+
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        with self._rng_lock:
+            return self._rng.random() < self.fail_rate
+
+    def exists_prefix(self, keys):
+        if self._bad_luck():
+            raise ConnectionError("flaky-mem: lookup failed")
+        return super().exists_prefix(keys)
+
+    def get(self, keys, targets):
+        ok = super().get(keys, targets)
+        return [good and not self._bad_luck() for good in ok]
+
+    def put(self, keys, sources):
+        keep = [not self._bad_luck() for _ in keys]
+        super().put([k for k, g in zip(keys, keep) if g], [s for s, g in zip(sources, keep) if g])
+        return keep

@@ -65,3 +65,100 @@ def test_size_smaller_than_one_page_is_an_error():
     geom = geometry_from(kv_config(FULL))
     with pytest.raises(ValueError, match="holds no page"):
         host_num_pages(make_config(hicache_size=1e-9), geom)
+
+
+# --- pipeline parallelism: every stage and the scheduler count the same pages ---
+
+# One layer's share of a FULL block: K,V x 32 tokens x 2 heads x 64 x 2 bytes.
+FULL_LAYER_BLOCK_BYTES = 2 * 32 * 2 * 64 * 2
+# 1 MB: 7 pages of an 8-layer stage but 8 pages of a 7-layer one, so sizing by
+# the wrong stage shows up as a different page count.
+HICACHE_SIZE_GB = 0.001
+
+
+@pytest.fixture(scope="module")
+def pp_model_config(tiny_model_dir):
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=512,
+                       hf_overrides={"num_hidden_layers": 30})
+
+
+def pp_vllm_config(model_config, pp_size: int):
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
+
+    return VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"),
+                      parallel_config=ParallelConfig(pipeline_parallel_size=pp_size))
+
+
+def stage_kv_configs(stage_sizes, num_blocks=100):
+    """Per-worker KV cache configs as vLLM builds them: each holds its stage's layers."""
+    configs, first = [], 0
+    for size in stage_sizes:
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(first, first + size)]
+        configs.append(KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                     kv_cache_groups=[KVCacheGroupSpec(names, FULL)]))
+        first += size
+    return configs
+
+
+def pages_of_every_process(vllm_config, stage_sizes, cfg):
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    workers = stage_kv_configs(stage_sizes)
+    scheduler = generate_scheduler_kv_cache_config(workers)
+    geoms = [geometry_from(c, vllm_config) for c in workers]
+    return (host_num_pages(cfg, geometry_from(scheduler, vllm_config)),
+            [host_num_pages(cfg, g) for g in geoms], geoms)
+
+
+@pytest.mark.parametrize("partition_env, stage_sizes", [
+    (None, [7, 8, 8, 7]),          # vLLM's default split of 30 layers on 4 stages
+    ("4,10,9,7", [4, 10, 9, 7]),   # VLLM_PP_LAYER_PARTITION, largest stage in the middle
+])
+def test_pp_stages_and_scheduler_agree_on_pages_by_size(
+    pp_model_config, monkeypatch, partition_env, stage_sizes,
+):
+    if partition_env is None:
+        monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition_env)
+    vllm_config = pp_vllm_config(pp_model_config, 4)
+    cfg = make_config(hicache_size=HICACHE_SIZE_GB)
+    sched_pages, stage_pages, geoms = pages_of_every_process(vllm_config, stage_sizes, cfg)
+
+    assert stage_pages == [sched_pages] * 4
+    largest_page_bytes = max(stage_sizes) * FULL_LAYER_BLOCK_BYTES
+    assert sched_pages == cfg.host_bytes_override // largest_page_bytes
+    for geom, size in zip(geoms, stage_sizes):
+        assert geom.bytes_per_block == size * FULL_LAYER_BLOCK_BYTES
+        assert sched_pages * geom.bytes_per_block <= cfg.host_bytes_override
+    # Sized from the scheduler's own (first) stage alone, the largest stage
+    # would overflow: the case this sizing exists for.
+    first_stage_alone = host_num_pages(cfg, geometry_from(stage_kv_configs(stage_sizes)[0]))
+    assert first_stage_alone * largest_page_bytes > cfg.host_bytes_override
+
+
+def test_pp_stages_agree_on_pages_by_ratio(pp_model_config, monkeypatch):
+    """vLLM gives every stage the smallest num_blocks, so ratio x L1 agrees."""
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    vllm_config = pp_vllm_config(pp_model_config, 4)
+    sched_pages, stage_pages, _ = pages_of_every_process(
+        vllm_config, [7, 8, 8, 7], make_config(hicache_ratio=2.5))
+    assert stage_pages == [250] * 4
+    assert sched_pages == 250
+
+
+def test_pp_stage_with_more_layers_than_partition_refused(pp_model_config, monkeypatch):
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    vllm_config = pp_vllm_config(pp_model_config, 4)
+    with pytest.raises(ValueError, match=r"largest pipeline stage, 8 layers .* has 9 layers"):
+        geometry_from(stage_kv_configs([9])[0], vllm_config)
+
+
+def test_without_pp_pages_follow_the_kv_cache_layers(pp_model_config):
+    """PP size 1: the KV cache's 2 layers size L2, not the model's 30 decoder layers."""
+    vllm_config = pp_vllm_config(pp_model_config, 1)
+    cfg = make_config(hicache_size=HICACHE_SIZE_GB)
+    geom = geometry_from(stage_kv_configs([2])[0], vllm_config)
+    assert host_num_pages(cfg, geom) == cfg.host_bytes_override // (2 * FULL_LAYER_BLOCK_BYTES)

@@ -63,7 +63,7 @@ def test_never_claims_the_last_token(tiny_model_dir):
     h.add("b", tokens)
     h.run()
     assert h.first_computed['b'] == 3 * BLOCK
-    assert all(h.load_checks)
+    assert h.load_checks and all(h.load_checks)
 
 
 def test_partial_l2_hit_after_l1_hit(tiny_model_dir):
@@ -80,7 +80,7 @@ def test_partial_l2_hit_after_l1_hit(tiny_model_dir):
     h.run()
     assert h.sched_half.stats.loaded_blocks - loaded_before == 4
     assert h.first_computed['b'] == 6 * BLOCK
-    assert all(h.load_checks)
+    assert h.load_checks and all(h.load_checks)
     assert_clean(h)
 
 
@@ -97,7 +97,7 @@ def test_selective_write_needs_second_use(tiny_model_dir):
     h.add("c", tokens)
     h.run()
     assert h.first_computed['c'] == 3 * BLOCK
-    assert all(h.load_checks)
+    assert h.load_checks and all(h.load_checks)
 
 
 def test_write_back_stores_only_on_l1_eviction(tiny_model_dir):
@@ -128,7 +128,7 @@ def test_write_back_on_prefix_cache_reset(tiny_model_dir):
     h.add("b", tokens)
     h.run()
     assert h.first_computed['b'] == 3 * BLOCK
-    assert all(h.load_checks)
+    assert h.load_checks and all(h.load_checks)
 
 
 def test_eviction_pressure_keeps_tree_consistent(tiny_model_dir):
@@ -145,7 +145,7 @@ def test_eviction_pressure_keeps_tree_consistent(tiny_model_dir):
     h.add("again", prompt(211, 5 * BLOCK + 2))  # the most recent prompt
     h.run()
     assert h.first_computed['again'] == 5 * BLOCK
-    assert all(h.load_checks)
+    assert h.load_checks and all(h.load_checks)
     assert_clean(h)
 
 
@@ -156,7 +156,7 @@ def test_preemption_finishes_everything_without_leaks(tiny_model_dir):
         h.add(f"p{i}", prompt(300 + i, 2 * BLOCK + 8), max_tokens=20)
     h.run(max_steps=400)
     assert h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 12
-    assert all(h.load_checks)
+    assert h.load_checks and all(h.load_checks)
     assert_clean(h)
 
 
@@ -219,7 +219,7 @@ def test_async_shared_prefix_is_loaded_once(tiny_model_dir):
     h.run()
     assert h.sched_half.stats.loaded_blocks == 4
     assert h.first_computed["c"] == 4 * BLOCK
-    assert all(h.load_checks)
+    assert h.load_checks and all(h.load_checks)
     assert not h.sched_half._inflight.overlaps(h.hashes_of["c"].block_hashes)
     assert_clean(h)
 

@@ -84,7 +84,11 @@ def prompts_with_shared_prefix() -> list[list[int]]:
 
 class ByteAudit:
     """Wraps the worker's transfer: snapshot L1 blocks as they are stored,
-    and after every load compare the L1 block with the snapshot of its page."""
+    and after every load compare the L1 block with the snapshot of its page.
+
+    It only counts, never raises: a raise inside a load (on the loader
+    thread, or in the worker's error handling) would become a load error and
+    a silent recompute instead of a failed test. Tests assert the counts."""
 
     def __init__(self, worker) -> None:
         self.worker = worker
@@ -92,6 +96,8 @@ class ByteAudit:
         self.by_page: dict[int, list[torch.Tensor]] = {}
         self.checked_blocks = 0
         self.mismatches = 0
+        # Loads of pages this audit never saw stored.
+        self.unknown_pages = 0
         transfer = worker.transfer
         store, load_layer, load = transfer.store, transfer.load_layer, transfer.load
 
@@ -113,7 +119,9 @@ class ByteAudit:
     def _check(self, block_ids, page_ids, layers) -> None:
         for b, p in zip(block_ids, page_ids):
             snap = self.by_page.get(p)
-            assert snap is not None, f"page {p} loaded but never stored"
+            if snap is None:
+                self.unknown_pages += 1
+                continue
             for layer in layers:
                 self.checked_blocks += 1
                 if not torch.equal(self.kv[layer][b], snap[layer]):

@@ -40,6 +40,7 @@ def test_hit_after_l1_eviction_without_reset(llm):
     assert again == reference
     assert cached == [(200 - 1) // BLOCK_SIZE * BLOCK_SIZE]
     assert scheduler_half(llm).stats.loaded_blocks > loaded_before
+    assert scheduler_half(llm).stats.load_error_blocks == 0
 
 
 def test_reset_connector_clears_l2(llm):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,7 @@ def test_another_process_gets_the_hits(tiny_model_dir, reference, tmp_path):
         outputs, cached = generate(llm, prompts)
         assert outputs == reference
         assert cached == expected_hits(prompts)
+        assert scheduler_half(llm).stats.load_error_blocks == 0
     finally:
         close(llm)
 
@@ -74,6 +76,16 @@ def test_corrupt_objects_are_misses_with_identical_outputs(tiny_model_dir, refer
     llm = make_llm(tiny_model_dir, extra)
     try:
         generate(llm, prompts)
+        time.sleep(0.5)  # backups land ...
+        generate(llm, [[7, 8]])  # ... and a step carries their acks back
+        # First show that L3 serves these prompts: otherwise "identical
+        # outputs after corruption" would prove nothing.
+        half = scheduler_half(llm)
+        assert llm.reset_prefix_cache(reset_connector=True)
+        outputs, cached = generate(llm, prompts)
+        assert outputs == reference and cached == expected_hits(prompts)
+        prefetched = half.l3.prefetched_blocks
+        assert prefetched > 0
         files = sorted((tmp_path / "l3").rglob("*.hckv"))
         assert files
         for i, f in enumerate(files):  # flip, truncate, or swap objects
@@ -86,7 +98,10 @@ def test_corrupt_objects_are_misses_with_identical_outputs(tiny_model_dir, refer
                 data = bytearray(files[0].read_bytes())
             f.write_bytes(bytes(data))
         assert llm.reset_prefix_cache(reset_connector=True)
-        outputs, _ = generate(llm, prompts)
+        outputs, cached = generate(llm, prompts)
         assert outputs == reference
+        # Every object was damaged: nothing may come back from L3.
+        assert half.l3.prefetched_blocks == prefetched
+        assert half.stats.load_error_blocks == 0
     finally:
         close(llm)

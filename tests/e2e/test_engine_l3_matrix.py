@@ -46,5 +46,6 @@ def test_l3_round_trip(tiny_model_dir, reference, tmp_path, layout, write_policy
         assert outputs == reference
         assert cached == [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
         assert scheduler_half(llm).l3.prefetched_blocks > 0
+        assert scheduler_half(llm).stats.load_error_blocks == 0
     finally:
         close(llm)

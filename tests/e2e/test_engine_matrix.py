@@ -1,8 +1,13 @@
-"""Every layout x io backend x write policy x load mode on a real vLLM CPU engine.
+"""Every layout x io backend x write policy x load mode that this machine
+really runs, on a real vLLM engine.
 
-For each combination: greedy outputs equal a run without HiCache, the
-repeated prompts hit L2 after vLLM's own prefix cache is reset, and every
-loaded block is bit-identical to what was stored from L1.
+Without CUDA the connector rewrites ``kernel`` to ``direct`` and
+``page_first`` + ``direct`` to ``page_first_direct`` (config.resolve_conflicts),
+so only the distinct resolved pairs are listed, and each case asserts the
+layout and copy engine it actually got. For each: greedy outputs equal a run
+without HiCache, the repeated prompts hit L2 after vLLM's own prefix cache is
+reset, no load error is reported, and every loaded block is bit-identical to
+what was stored from L1.
 """
 
 from __future__ import annotations
@@ -10,6 +15,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
+
+from vllm_hicache.config import resolve_conflicts
+from tests.conftest import make_config
 
 from tests.e2e.engine_utils import (
     BLOCK_SIZE, ByteAudit, close, generate, make_llm, prompts_with_shared_prefix,
@@ -24,9 +33,26 @@ WRITE_POLICIES = ["write_through", "write_through_selective", "write_back"]
 LOAD_MODES = ["layerwise", "async"]
 
 
+
+
+def real_pairs(cuda: bool) -> list[tuple[str, str]]:
+    """(layout, io backend) pairs that stay as asked after the rewrites."""
+    pairs = []
+    for layout, io_backend in itertools.product(LAYOUTS, IO_BACKENDS):
+        cfg = resolve_conflicts(make_config(hicache_mem_layout=layout,
+                                            hicache_io_backend=io_backend), cuda)
+        if (cfg.hicache_mem_layout, cfg.hicache_io_backend) == (layout, io_backend):
+            pairs.append((layout, io_backend))
+    return pairs
+
+
+TRANSFER_CLASS = {"direct": "DirectTransfer", "kernel": "KernelTransfer"}
+
+
 @pytest.mark.parametrize(
     "layout, io_backend, write_policy, load_mode",
-    list(itertools.product(LAYOUTS, IO_BACKENDS, WRITE_POLICIES, LOAD_MODES)),
+    [(*pair, w, m) for pair in real_pairs(torch.cuda.is_available())
+     for w, m in itertools.product(WRITE_POLICIES, LOAD_MODES)],
 )
 def test_outputs_equal_and_l2_hits(tiny_model_dir, reference, layout, io_backend,
                                    write_policy, load_mode):
@@ -35,7 +61,12 @@ def test_outputs_equal_and_l2_hits(tiny_model_dir, reference, layout, io_backend
     prompts = prompts_with_shared_prefix()
     llm = make_llm(tiny_model_dir, extra)
     try:
-        audit = ByteAudit(worker_half())
+        worker, half = worker_half(), scheduler_half(llm)
+        # The configuration under test is the one asked for, on both halves.
+        assert (half.cfg.hicache_mem_layout, half.cfg.hicache_io_backend) == (layout, io_backend)
+        assert worker.pool.layout.name == layout
+        assert type(worker.transfer).__name__ == TRANSFER_CLASS[io_backend]
+        audit = ByteAudit(worker)
         outputs, _ = generate(llm, prompts)
         assert outputs == reference
         if write_policy == "write_through_selective":
@@ -46,7 +77,15 @@ def test_outputs_equal_and_l2_hits(tiny_model_dir, reference, layout, io_backend
         assert outputs == reference
         expected = [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
         assert cached == expected
-        assert scheduler_half(llm).stats.loaded_blocks > 0
-        assert audit.checked_blocks > 0 and audit.mismatches == 0
+        assert half.stats.loaded_blocks > 0
+        assert half.stats.load_error_blocks == 0
+        assert audit.checked_blocks > 0
+        assert audit.mismatches == 0 and audit.unknown_pages == 0
     finally:
         close(llm)
+
+
+def test_real_pairs_without_cuda_are_the_two_native_ones():
+    assert real_pairs(False) == [("layer_first", "direct"), ("page_first_direct", "direct")]
+    assert real_pairs(True) == [("layer_first", "direct"), ("layer_first", "kernel"),
+                                ("page_first", "kernel"), ("page_first_direct", "direct")]

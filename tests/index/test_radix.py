@@ -269,3 +269,38 @@ def test_check_integrity_reports_numbers(kit) -> None:
     kit.tree._num_cached_pages += 1
     with pytest.raises(RuntimeError, match=r"cached pages counted 2, actual 1"):
         kit.tree.check_integrity()
+
+
+def test_invalidate_twice_on_one_chain_frees_both_orphans(kit):
+    """A cut below an earlier cut: one unlock releases both orphans."""
+    hashes = kit.chain(range(6))
+    kit.put(hashes)
+    tree = kit.tree
+    lock = tree.lock(hashes, 6)
+    assert tree.invalidate(hashes, 4)
+    assert tree.invalidate(hashes, 2)
+    assert tree.match(hashes).pages == kit.tree.match(hashes[:2]).pages
+    assert len(tree.match(hashes).pages) == 2
+    tree.check_integrity()
+    assert tree.num_free_pages == 16 - 6
+    tree.unlock(lock)
+    tree.check_integrity()
+    assert tree.num_free_pages == 16 - 2
+    assert tree.pinned_pages() == (frozenset(), frozenset())
+
+
+def test_alloc_up_to_never_takes_pinned_pages(kit):
+    pinned, loose = kit.chain(range(8)), kit.chain([9, 9])
+    kit.put(pinned)
+    kit.put(loose)
+    tree = kit.tree
+    lock = tree.lock(pinned, 8)
+    got = tree.alloc_up_to(12)
+    # 6 free + the 2 unpinned pages; the 8 pinned pages stay.
+    assert len(got) == 8
+    assert None not in tree.match(pinned).pages and len(tree.match(pinned).pages) == 8
+    assert tree.match(loose).pages == []
+    assert tree.alloc_up_to(1) == []
+    tree.free(got)
+    tree.unlock(lock)
+    tree.check_integrity()

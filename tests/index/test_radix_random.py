@@ -29,6 +29,9 @@ class Model:
         self.hash_to_chain: dict[bytes, list[bytes]] = {}
         self.held: list[int] = []  # allocated, not inserted
         self.locks: list[tuple[object, list[bytes]]] = []  # (handle, locked hashes)
+        # Hashes invalidated while pinned: reported by on_evict once freed.
+        self.orphan_hashes: list[bytes] = []
+        self.invalidating = False
         kit.tree._on_evict = self.on_evict
 
     def random_chain(self) -> list[bytes]:
@@ -39,12 +42,23 @@ class Model:
         return hashes
 
     def on_evict(self, hashes: list[bytes]) -> None:
+        if self.invalidating:
+            return
         locked = {h for _, chain in self.locks for h in chain}
+        evicted = []
         for h in hashes:
+            page = self.hash_to_page.get(h)
+            still_indexed = page is not None and (
+                self.tree.match(self.hash_to_chain[h]).pages[-1:] == [page])
+            if page is None or still_indexed:
+                # An orphan's pages, freed by the unlock of its last pin.
+                self.orphan_hashes.remove(h)
+                continue
             assert h not in locked, "evicted a locked block"
             del self.hash_to_page[h]
+            evicted.append(h)
         for h in self.hash_to_page:  # leaf-first: no evicted block has a kept extension
-            assert not set(self.hash_to_chain[h]) & set(hashes)
+            assert not set(self.hash_to_chain[h]) & set(evicted)
 
     # --- operations (each returns nothing; asserts inline) -------------
 
@@ -78,6 +92,42 @@ class Model:
         assert self.tree.num_free_pages == max(0, free_before - want)
         assert not set(pages) & set(self.hash_to_page.values()) and not set(pages) & set(self.held)
         self.held += pages
+
+    def op_alloc_up_to(self) -> None:
+        want = self.rng.randint(0, 12)
+        evictable = self.tree.num_free_pages + self.tree.num_cached_pages - self.tree.num_locked_pages
+        pages = self.tree.alloc_up_to(want)
+        # Never more than asked, never fewer than unpinned pages allow.
+        assert len(pages) <= want and len(pages) >= min(want, evictable - self.num_pinned_orphan())
+        assert not set(pages) & set(self.hash_to_page.values()) and not set(pages) & set(self.held)
+        self.held += pages
+
+    def num_pinned_orphan(self) -> int:
+        """Pages held by orphans (invalidated, waiting for their pins)."""
+        return self.tree.num_cached_pages - len(self.hash_to_page)
+
+    def op_invalidate(self) -> None:
+        hashes = self.random_chain()
+        matched = self.tree.match(hashes).pages
+        if not matched:
+            assert not self.tree.invalidate(hashes, 0)
+            return
+        block = self.rng.randrange(len(matched))
+        gone = hashes[block]
+        below = [h for h in self.hash_to_page if gone in self.hash_to_chain[h]]
+        pages = {h: self.hash_to_page.pop(h) for h in below}
+        self.invalidating = True  # unpinned pages are freed (and reported) at once
+        assert self.tree.invalidate(hashes, block)
+        self.invalidating = False
+        free = set(self.tree._free.snapshot())
+        # Pages not freed at once wait in a pinned orphan for their last pin.
+        self.orphan_hashes += [h for h in below if pages[h] not in free]
+        # A lock below the cut now pins an orphan, not whatever is re-inserted
+        # under the same hashes later.
+        self.locks = [(handle, chain[: chain.index(gone)] if gone in chain else chain)
+                      for handle, chain in self.locks]
+        # Placeholders above the cut may go too, when nothing else needs them.
+        assert len(self.tree.match(hashes).pages) <= block, "an invalidated block still matches"
 
     def op_free(self) -> None:
         self.rng.shuffle(self.held)
@@ -144,13 +194,15 @@ class Model:
     def check_all(self) -> None:
         for h, page in self.hash_to_page.items():
             assert self.tree.match(self.hash_to_chain[h]).pages[-1] == page
-        assert self.tree.num_cached_pages == len(self.hash_to_page)
-        assert self.tree.num_free_pages + len(self.held) + len(self.hash_to_page) == NUM_PAGES
+        orphaned = self.num_pinned_orphan()
+        assert orphaned == len(self.orphan_hashes)
+        assert (self.tree.num_free_pages + len(self.held) + len(self.hash_to_page) + orphaned
+                == NUM_PAGES)
 
 
 WEIGHTS = {
     "insert": 30, "match": 15, "alloc": 15, "free": 8, "lock": 8,
-    "unlock": 12, "evict": 6, "touch": 8, "clear": 2,
+    "unlock": 12, "evict": 6, "touch": 8, "clear": 2, "alloc_up_to": 6, "invalidate": 5,
 }
 
 
@@ -170,6 +222,8 @@ def test_random_ops_agree_with_model(make_kit, seed: int, policy: str) -> None:
             model.check_all()
     while model.locks:
         model.op_unlock()
+    assert not model.tree.pinned_pages().orphaned, "an orphan outlived its last pin"
+    assert not model.orphan_hashes
     kit.tree.clear()
     kit.tree.free(model.held)
     kit.tree.check_integrity()

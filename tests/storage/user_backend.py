@@ -100,3 +100,21 @@ class MemoryBackend(StorageBackend):
 
 class NotABackend:
     """A class that does not subclass StorageBackend (for the error test)."""
+
+
+class SlowPutBackend(MemoryBackend):
+    """MemoryBackend whose every ``put`` call first sleeps ``put_delay_s``
+    (default 0.5 s): a congested NFS or object store."""
+
+    name = "slow-put"
+
+    def __init__(self, options: Mapping[str, Any], ctx: StorageContext) -> None:
+        options = dict(options)
+        self.put_delay_s = float(options.pop("put_delay_s", 0.5))
+        super().__init__(options, ctx)
+
+    def put(self, keys, sources):
+        import time
+
+        time.sleep(self.put_delay_s)
+        return super().put(keys, sources)

@@ -4,7 +4,11 @@ They run between steps, off the forward's critical path: on CPU in one
 background thread, on CUDA on the worker's transfer stream with one event
 per job. A request is reported finished (``finished_recving``) only after its
 copy completed; a failed copy reports its blocks as load errors in the same
-poll, so vLLM recomputes them instead of using them.
+poll, so vLLM recomputes them instead of using them. A copy that raises
+never propagates: on CPU the thread's future holds the error, on CUDA the
+exception at issue time marks the job failed. Either way the request is
+still reported finished, or the scheduler would keep its pages locked
+forever.
 
 Safety: the destination blocks belong to the waiting request alone, and the
 source pages stay locked by the scheduler half until it sees the request in
@@ -32,17 +36,39 @@ class AsyncLoader:
         )
         # req_id -> (job, future or CUDA event)
         self._inflight: dict[str, tuple[LoadJob, object]] = {}
+        # Jobs already known to have failed when they were issued; their
+        # handle only says when it is safe to report them.
+        self._failed: set[str] = set()
 
     def submit(self, job: LoadJob) -> None:
         copy = job.copy
         if self._executor is not None:
             handle = self._executor.submit(self._transfer.load, copy.block_ids, copy.page_ids)
         else:
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                self._transfer.load(copy.block_ids, copy.page_ids)
-                handle = torch.cuda.Event()
-                handle.record(self._stream)
+            handle = self._submit_on_stream(job)
+        self._inflight[job.req_id] = (job, handle)
+
+    def _submit_on_stream(self, job: LoadJob):
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            try:
+                self._transfer.load(job.copy.block_ids, job.copy.page_ids)
+            except Exception:  # a failed copy must become a recompute, not a crash
+                logger.exception("HiCache: async load of %s failed to start", job.req_id)
+                self._failed.add(job.req_id)
+            # Recorded even after a failure: copies the transfer queued before
+            # raising still write this request's blocks, and vLLM must not
+            # recompute into them until those writes have landed.
+            handle = torch.cuda.Event()
+            handle.record(self._stream)
+        return handle
+
+    def fail(self, job: LoadJob) -> None:
+        """Report ``job`` finished with every block failed, copying nothing
+        (its source pages are known to be bad)."""
+        handle: Future = Future()
+        handle.set_result(None)
+        self._failed.add(job.req_id)
         self._inflight[job.req_id] = (job, handle)
 
     def poll(self) -> tuple[set[str], set[int]]:
@@ -54,8 +80,11 @@ class AsyncLoader:
                 continue
             del self._inflight[req_id]
             done.add(req_id)
-            if isinstance(handle, Future) and handle.exception() is not None:
-                logger.error("HiCache: async load of %s failed: %r", req_id, handle.exception())
+            error = handle.exception() if isinstance(handle, Future) else None
+            if error is not None:
+                logger.error("HiCache: async load of %s failed: %r", req_id, error)
+            if req_id in self._failed or error is not None:
+                self._failed.discard(req_id)
                 failed.update(job.copy.block_ids)
         return done, failed
 

@@ -37,6 +37,49 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+# Drafters that propose from token ids alone: no attention layers, so no KV of
+# their own in L1 or L2 and no layer hook outside the target forward, and vLLM
+# drops no last block from their prefix hits. vLLM still defers wait_for_save
+# past get_block_ids_with_load_errors for them; that is harmless because the
+# target forward reaches every layer hook (layerwise loads require piecewise
+# CUDA graphs), so wait_for_save finds no layer left to report, and a store
+# that fails there is caught by the worker's garbage-page check before any
+# load reads the page.
+_TOKEN_ONLY_SPECULATION = ("ngram", "ngram_gpu")
+
+
+def check_speculative_decoding(vllm_config: VllmConfig) -> None:
+    """Refuse at start the speculative methods whose drafter L2 cannot serve.
+
+    Drafters with KV (EAGLE, EAGLE-3, MTP, DFlash, DSpark, draft models,
+    extract_hidden_states) register attention layers that vLLM puts into the
+    target's KV cache group when their spec matches (a second group, which
+    ``geometry_from`` refuses, otherwise), so pages would carry drafter KV
+    too. The drafter runs after the target forward and may not reach every
+    layer hook on every step; a layer never waited for is reported as a
+    failed load from ``wait_for_save``, which speculation defers until after
+    vLLM has collected ``get_block_ids_with_load_errors``: one step late.
+    The EAGLE family must also recompute the last block of a prefix hit: its
+    drafter KV there depends on the token after the block, which the block
+    hash does not cover. vLLM drops that block from its own hits, not from a
+    connector's, and the scheduler half does not drop it. Drafters reading
+    target hidden states (Medusa, MLP speculator), custom and suffix proposers
+    are refused until tested.
+    """
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method in _TOKEN_ONLY_SPECULATION:
+        return
+    supported = " or ".join(repr(m) for m in _TOKEN_ONLY_SPECULATION)
+    raise ValueError(
+        f"HiCacheConnector does not support speculative decoding "
+        f"(speculative_config method={spec.method!r}) yet: drafters with their own "
+        f"KV or reading target hidden states are not served correctly with L2 "
+        f"hits (EAGLE/MTP need the last block of a prefix hit recomputed, which "
+        f"the connector does not do). Use method {supported}, "
+        f"or disable speculative decoding."
+    )
+
+
 class HiCacheConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -51,7 +94,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         cfg = resolve_conflicts(
             HiCacheConfig.from_extra_config(extra), cuda_available=current_platform.is_cuda()
         )
-        geom = geometry_from(kv_cache_config)
+        check_speculative_decoding(vllm_config)
+        geom = geometry_from(kv_cache_config, vllm_config)
         if cfg.storage is not None:
             check_shareable_hashes(vllm_config)
         self.scheduler: HiCacheScheduler | None = None
@@ -109,6 +153,12 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._sched().bind_gpu_block_pool(gpu_block_pool)
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps vLLM stepping while backups, async loads or prefetches are
+        # in flight with no request running: their acknowledgements (and the
+        # pins they release) travel only with a step's output.
+        return self.scheduler is not None and self.scheduler.has_pending_work()
 
     def reset_cache(self) -> bool | None:
         return self._sched().reset_cache() if self.scheduler is not None else None

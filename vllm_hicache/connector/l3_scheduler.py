@@ -8,7 +8,7 @@ finished lookup whose hit reaches ``prefetch_threshold`` gets host pages
 As every rank reports progress, the pages all ranks have verified are
 inserted into the tree: from then on they are ordinary L2 hits. Backup:
 pages stored to L2 in a step are written to L3 by the workers after the
-store; they stay locked in L2 until every rank has acknowledged.
+store; a BACKUP op (page_ops.py) pins them until every rank has acknowledged.
 
 Prefetch policies decide only whether a request *waits* for its lookup and
 prefetch (``must_wait``): best_effort never, wait_complete until the
@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from vllm_hicache.connector.metadata import BackupJob, HiCacheWorkerMetadata, PrefetchJob
+from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.storage import StorageBackend
@@ -34,9 +35,6 @@ logger = logging.getLogger(__name__)
 
 # Lookups queued or running at once, at most (one lookup thread).
 MAX_PENDING_LOOKUPS = 256
-
-# (chain hashes up to the last stored block, stored block indices, pages)
-StoredChain = tuple[tuple[bytes, ...], list[int], list[int]]
 
 
 @dataclass(slots=True)
@@ -73,7 +71,7 @@ class StoragePlanner:
         self._lookups: dict[str, _Lookup] = {}
         self._ops: dict[int, _Op] = {}
         self._inflight_pages = 0
-        self._backup_locks: dict[int, list[object]] = {}
+        self._backups: dict[int, PageOp] = {}
         self._backup_acks: dict[int, set[int]] = {}
         self._op_ids = itertools.count()
         self.prefetched_blocks = 0
@@ -92,7 +90,8 @@ class StoragePlanner:
             self.skipped_lookups += 1
             return
         tokens = (len(chain) - start) * self.block_size
-        # wait_complete too is bounded (invariant 3): by prefetch_timeout_max.
+        # wait_complete too is bounded (docs/design.md, invariant 3): by
+        # prefetch_timeout_max.
         wait_s = (self.cfg.prefetch_timeout_s(tokens) if self.cfg.prefetch_policy == "timeout"
                   else self.cfg.prefetch_timeout_max)
         lookup = _Lookup(chain, start, time.monotonic() + wait_s)
@@ -121,8 +120,9 @@ class StoragePlanner:
     def _hit(lookup: _Lookup) -> int:
         try:
             return lookup.future.result()
-        except Exception:  # noqa: BLE001 - a failed lookup is a miss
-            logger.warning("HiCache L3 lookup failed", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
+            # One line, no traceback: a dead store fails every lookup.
+            logger.warning("HiCache L3 lookup failed, counted as a miss: %r", exc)
             return 0
 
     def _pending_lookups(self) -> int:
@@ -164,34 +164,39 @@ class StoragePlanner:
         lookup.op, lookup.done = op, False
         return PrefetchJob(op.op_id, op.chain[start:], tuple(pages))
 
-    def plan_backup(self, tree: HiRadixTree, chains: list[StoredChain]) -> list[BackupJob]:
-        """One backup op for this step's stored pages (one entry per store
-        range: the chain up to its last stored block, the stored block
-        indices and their pages)."""
-        if not chains:
+    def plan_backup(self, ops: PageOps, stored: list[PinnedRange], step: int) -> list[BackupJob]:
+        """One backup op for this step's stored pages (their STORE ops pin
+        them now; the BACKUP op keeps them pinned until every rank acked)."""
+        if not stored:
             return []
-        op_id = next(self._op_ids)
-        hashes: list[bytes] = []
-        pages: list[int] = []
-        locks = []
-        for chain, indices, chain_pages in chains:
-            locks.append(tree.lock(chain, len(chain)))
-            hashes += [chain[i] for i in indices]
-            pages += chain_pages
-        self._backup_locks[op_id] = locks
+        op = ops.open(OpKind.BACKUP, step, stored)
+        hashes = tuple(r.chain[i] for r in stored for i in r.blocks)
+        pages = tuple(p for r in stored for p in r.pages)
+        self._backups[op.op_id] = op
         self.backed_up_blocks += len(pages)
-        return [BackupJob(op_id, tuple(hashes), tuple(pages))]
+        return [BackupJob(op.op_id, hashes, pages)]
+
+    def has_open_prefetches(self) -> bool:
+        return bool(self._ops)
+
+    def prefetch_pages(self) -> set[int]:
+        """Pages open prefetches hold outside the tree (not yet committed)."""
+        return {p for op in self._ops.values() for p in op.pages[op.committed:]}
 
     # --- completions -------------------------------------------------------
 
-    def on_worker_meta(self, meta: HiCacheWorkerMetadata, tree: HiRadixTree) -> None:
+    def on_worker_meta(self, meta: HiCacheWorkerMetadata, tree: HiRadixTree,
+                       ops: PageOps) -> None:
         for op_id, by_rank in meta.prefetch.items():
             op = self._ops.get(op_id)
             if op is not None:
-                op.progress.update(by_rank)
+                for rank, (done, finished) in by_rank.items():
+                    # Never backwards: a rank's count and end only grow.
+                    prev_done, prev_finished = op.progress.get(rank, (0, False))
+                    op.progress[rank] = (max(done, prev_done), finished or prev_finished)
                 self._advance(op, tree)
         for op_id, ranks in meta.backups.items():
-            self._ack_backup(op_id, ranks, tree)
+            self._ack_backup(op_id, ranks, ops)
 
     def _advance(self, op: _Op, tree: HiRadixTree) -> None:
         if len(op.progress) < self.world_size:
@@ -214,13 +219,14 @@ class StoragePlanner:
                 if lookup.op is op:
                     lookup.done = True
 
-    def _ack_backup(self, op_id: int, ranks: set[int], tree: HiRadixTree) -> None:
+    def _ack_backup(self, op_id: int, ranks: set[int], ops: PageOps) -> None:
+        if op_id not in self._backups:
+            return  # a duplicate or late ack of a finished backup
         acked = self._backup_acks.setdefault(op_id, set())
         acked |= ranks
         if len(acked) >= self.world_size:
             del self._backup_acks[op_id]
-            for lock in self._backup_locks.pop(op_id, ()):
-                tree.unlock(lock)
+            ops.close(self._backups.pop(op_id))
 
     def clear_storage(self) -> None:
         """Admin: remove every object from L3 (reset_cache leaves L3 alone)."""

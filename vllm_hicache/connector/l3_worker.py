@@ -7,13 +7,20 @@ the op finishes (a short batch ends it). Backup (L2 -> L3): objects L3 already
 has are skipped (``exists_prefix``), the rest written; the op is acknowledged
 when done, successful or not (a failed write is just a later miss). On CUDA a
 backup first waits for the L1 -> L2 copy that produced its pages.
+
+Shutdown: a queued backup is the only way its pages reach L3 (writes are not
+retried), so shutdown lets queued and running backups finish, bounded by
+``drain_timeout_s``; prefetches are useless by then and are cancelled (a
+running one stops at its next batch). A stuck backend costs the backups still
+open at the deadline (logged), never a hung shutdown.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from vllm_hicache.connector.metadata import BackupJob, PrefetchJob
 from vllm_hicache.storage.pages import PageStore
@@ -23,36 +30,49 @@ logger = logging.getLogger(__name__)
 # Pages per backend call (SGLang's storage batch size).
 BATCH_PAGES = 128
 
+# How long shutdown waits for open backups before abandoning them.
+SHUTDOWN_DRAIN_S = 10.0
+
 
 class StorageIO:
-    def __init__(self, pages: PageStore, tp_rank: int, writes: bool, num_threads: int = 2) -> None:
+    def __init__(
+        self, pages: PageStore, tp_rank: int, writes: bool, num_threads: int = 2,
+        drain_timeout_s: float = SHUTDOWN_DRAIN_S,
+    ) -> None:
         self.pages = pages
         self.tp_rank = tp_rank
         # MLA keeps one copy: only rank 0 writes, every rank still acks.
         self._writes = writes
+        self._drain_timeout_s = drain_timeout_s
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-l3")
         self._lock = threading.Lock()
         self._progress: dict[int, tuple[int, bool]] = {}
         self._backups_done: set[int] = set()
-        self._futures: set = set()
+        # Open jobs, by kind: shutdown drains backups and cancels prefetches.
+        self._prefetches: set[Future] = set()
+        self._backups: set[Future] = set()
+        self._stopping = threading.Event()
 
     def submit_prefetch(self, job: PrefetchJob, ready=None) -> None:
         with self._lock:
             self._progress[job.op_id] = (0, False)
-        self._track(self._pool.submit(self._guard, self._prefetch, job, ready))
+        self._track(self._prefetches, self._pool.submit(self._guard, self._prefetch, job, ready))
 
     def submit_backup(self, job: BackupJob, ready=None) -> None:
-        self._track(self._pool.submit(self._guard, self._backup, job, ready))
+        self._track(self._backups, self._pool.submit(self._guard, self._backup, job, ready))
 
-    def _track(self, future) -> None:
+    def _track(self, open_jobs: set[Future], future: Future) -> None:
         with self._lock:
-            self._futures = {f for f in self._futures if not f.done()}
-            self._futures.add(future)
+            open_jobs.difference_update([f for f in open_jobs if f.done()])
+            open_jobs.add(future)
+
+    def _open_jobs(self, open_jobs: set[Future]) -> list[Future]:
+        with self._lock:
+            return [f for f in open_jobs if not f.done()]
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait (bounded) for every submitted job; True if all finished."""
-        with self._lock:
-            pending = list(self._futures)
+        pending = self._open_jobs(self._prefetches) + self._open_jobs(self._backups)
         done, not_done = wait(pending, timeout=timeout_s)
         return not not_done
 
@@ -79,6 +99,8 @@ class StorageIO:
             good = self.pages.read(job.hashes[begin:end], job.pages[begin:end])
             done += good
             finished = good < end - begin or end == len(job.pages)
+            if self._stopping.is_set():
+                finished = True  # shutdown: nobody will use the rest
             with self._lock:
                 self._progress[job.op_id] = (done, finished)
             if finished:
@@ -109,5 +131,22 @@ class StorageIO:
         return progress, backups
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._stopping.set()
+        num_cancelled = sum(f.cancel() for f in self._open_jobs(self._prefetches))
+        backups = self._open_jobs(self._backups)
+        start_s = time.monotonic()
+        drained, abandoned = wait(backups, timeout=self._drain_timeout_s)
+        # Threads still stuck in the backend are left behind: waiting on them
+        # is what the deadline exists to avoid.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if abandoned:
+            logger.warning(
+                "HiCache L3: shutdown abandoned %d of %d open backups after %.1f s "
+                "(their pages will miss in L3)",
+                len(abandoned), len(backups), time.monotonic() - start_s,
+            )
+        logger.info(
+            "HiCache L3: shutdown drained %d backups, cancelled %d queued prefetches",
+            len(drained), num_cancelled,
+        )
         self.pages.backend.close()

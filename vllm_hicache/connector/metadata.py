@@ -91,10 +91,15 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
     """Workers -> scheduler, once per step; vLLM merges the ranks' copies.
 
     ``prefetch``: op -> rank -> (leading pages done, finished);
-    ``backups``: op -> ranks that finished it."""
+    ``backups``: op -> ranks that finished it;
+    ``failed_store_pages``: host pages whose L1 -> L2 store raised on some
+    rank since its last report. Their bytes are garbage on that rank, so the
+    scheduler must drop them from the index (a page is only as good as its
+    worst rank)."""
 
     prefetch: dict[int, dict[int, tuple[int, bool]]] = field(default_factory=dict)
     backups: dict[int, set[int]] = field(default_factory=dict)
+    failed_store_pages: set[int] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> HiCacheWorkerMetadata:
         assert isinstance(other, HiCacheWorkerMetadata)
@@ -102,6 +107,7 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
             self.prefetch.setdefault(op_id, {}).update(by_rank)
         for op_id, ranks in other.backups.items():
             self.backups.setdefault(op_id, set()).update(ranks)
+        self.failed_store_pages |= other.failed_store_pages
         return self
 
 

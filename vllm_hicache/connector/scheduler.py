@@ -5,31 +5,37 @@ emits per-step operations (``HiCacheMetadata``) that the workers execute.
 
 Page lifetime (ranges in blocks of one request)::
 
-    [0, local)            vLLM's own prefix-cache hit (L1)
-    [local, local+n)      L2 hit: pages locked by update_state_after_alloc,
+    [0, local)            vLLM's own prefix-cache hit (L1); its L2 copies
+                          are touched, so L2 keeps what L1 finds hot
+    [local, local+n)      L2 hit: pages pinned by update_state_after_alloc,
                           loaded this step (layerwise) or between steps (async)
-    [stored, done)        computed by this step: pages allocated and inserted
-                          now, copied by the workers after the forward
+    [stored, done)        computed by this step: pages allocated, inserted and
+                          pinned at once, copied by the workers after the forward
 
-Tree mutations that can evict (alloc) happen only in build_connector_meta and
-reset_cache, never between a lookup and its update_state_after_alloc, so a
-page reported as a hit is still there when it is locked. A sync load's lock
-is released at the next build_connector_meta: the workers finish step N's
-loads before step N+1's stores can reuse the page.
+Every pin belongs to an operation in ``PageOps`` (page_ops.py) and is
+released at that operation's terminal event, so an allocation later in the
+same step can never evict a page a copy still uses; when every page is
+pinned, a store simply stores less. Tree mutations that can evict (alloc)
+happen only in build_connector_meta and reset_cache, never between a lookup
+and its update_state_after_alloc, so a page reported as a hit is still there
+when it is pinned. A copy the workers report as failed takes its page (and
+what hangs below it) out of the index, so it is never a hit again.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.inflight import InflightLoads
-from vllm_hicache.connector.request_state import ReqState, track_scheduled
-from vllm_hicache.connector.l3_scheduler import StoragePlanner, StoredChain
+from vllm_hicache.connector.l3_scheduler import StoragePlanner
 from vllm_hicache.connector.metadata import BlockCopy, HiCacheMetadata, LoadJob, merge_copies
+from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
+from vllm_hicache.connector.request_state import ReqState, track_scheduled
 from vllm_hicache.connector.stats import HiCacheStats
 from vllm_hicache.connector.write_back import WriteBackWatcher
 from vllm_hicache.host.memory import check_fits
@@ -47,6 +53,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _RECENT_HITS = 4096
+# An idle engine keeps stepping for pending L3/async work at most this long
+# without any operation finishing.
+STALLED_WORK_S = 30.0
 
 
 class HiCacheScheduler:
@@ -56,7 +65,7 @@ class HiCacheScheduler:
         self.num_pages = host_num_pages(cfg, geom)
         # Every rank on this host allocates its own pool: refuse before the
         # tree (or any worker) allocates anything.
-        check_fits(self.num_pages * geom.bytes_per_block * local_ranks)
+        check_fits(self.num_pages * geom.sizing_bytes_per_block * local_ranks)
         self.tree = HiRadixTree(
             self.num_pages,
             make_eviction_policy(cfg.radix_eviction_policy),
@@ -69,17 +78,23 @@ class HiCacheScheduler:
         self.recent_hit_tokens: OrderedDict[str, int] = OrderedDict()
         self._reqs: dict[str, ReqState] = {}
         self._local_hit_tokens: dict[str, int] = {}
+        self.ops = PageOps(self.tree)
+        # The step being scheduled; build_connector_meta ends it.
+        self._step = 0
+        # has_pending_work: live-op count last seen, and since when.
+        self._pending_ops_seen = 0
+        self._pending_since = time.monotonic()
         self._step_loads: list[LoadJob] = []
         self._step_async_loads: list[LoadJob] = []
-        self._step_locks: list[object] = []
-        self._prev_step_locks: list[object] = []
         self._inflight = InflightLoads()
         self._write_back: WriteBackWatcher | None = None
         self._evict_pairs: list[tuple[int, int, list[bytes]]] = []
+        # STORE ops of the write-backs in _evict_pairs, not yet emitted.
+        self._evict_ops: list[PageOp] = []
         # L3 tier (set by the connector when a storage backend is configured).
         self.l3: StoragePlanner | None = None
         self._block_pool = None
-        self._stored_chains: list[StoredChain] = []
+        self._stored_ranges: list[PinnedRange] = []
         logger.info(
             "HiCache L2: %d pages x %d bytes = %.2f GB (L1 %d blocks), %s",
             self.num_pages, geom.bytes_per_block,
@@ -99,10 +114,12 @@ class HiCacheScheduler:
         start = num_computed_tokens // self.block_size
         if self._inflight.overlaps(request.block_hashes[start : start + len(pages)]):
             return None, False  # ask again once that load has landed
-        self._local_hit_tokens[request.request_id] = num_computed_tokens
         return len(pages) * self.block_size, self.load_async
 
     def _hit_pages(self, request: Request, num_computed_tokens: int) -> list[int]:
+        # Remembered for update_state_after_alloc (the last call wins: vLLM
+        # allocates right after the call that succeeds).
+        self._local_hit_tokens[request.request_id] = num_computed_tokens
         start = num_computed_tokens // self.block_size
         limit = loadable_block_limit(request.num_tokens, self.block_size)
         if limit <= start:
@@ -112,26 +129,32 @@ class HiCacheScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if num_external_tokens == 0:
-            return
         req_id = request.request_id
-        local = self._local_hit_tokens.pop(req_id)
+        local = self._local_hit_tokens.pop(req_id, None)
+        if local is None:
+            return  # vLLM's second call for an async load: nothing new
         start, num_blocks = local // self.block_size, num_external_tokens // self.block_size
+        end = start + num_blocks
+        # A use of the whole hit, L1 part included: a prefix vLLM keeps
+        # serving from its own cache must not age out of L2 meanwhile.
+        self.tree.touch(request.block_hashes, end, priority=-request.priority)
+        if num_blocks == 0:
+            return
         pages = self._hit_pages(request, local)[:num_blocks]
+        self._local_hit_tokens.pop(req_id)
         # No eviction can run between the lookup and here (see module doc).
         assert len(pages) == num_blocks, (req_id, len(pages), num_blocks)
-        end = start + num_blocks
         hashes = request.block_hashes[:end]
-        lock = self.tree.lock(hashes, end)
-        self.tree.touch(hashes, end, priority=-request.priority)
         block_ids = blocks.get_block_ids()[0][start:end]
+        kind = OpKind.ASYNC_LOAD if self.load_async else OpKind.LOAD
+        rng = PinnedRange(tuple(hashes), tuple(range(start, end)), tuple(pages))
+        op = self.ops.open(kind, self._step, [rng], req_id, block_ids)
         job = LoadJob(req_id, BlockCopy(tuple(block_ids), tuple(pages)))
         if self.load_async:
             self._step_async_loads.append(job)
-            self._inflight.start(req_id, lock, hashes[start:])
+            self._inflight.start(req_id, op, hashes[start:])
         else:
             self._step_loads.append(job)
-            self._step_locks.append(lock)
         self.stats.record_load(num_blocks)
         self.recent_hit_tokens[req_id] = num_external_tokens
         if len(self.recent_hit_tokens) > _RECENT_HITS:
@@ -140,12 +163,11 @@ class HiCacheScheduler:
     # --- per step --------------------------------------------------------
 
     def build_connector_meta(self, so: SchedulerOutput) -> HiCacheMetadata:
-        for lock in self._prev_step_locks:
-            self.tree.unlock(lock)
-        self._prev_step_locks, self._step_locks = self._step_locks, []
+        # Building step N acknowledges step N-1 (see page_ops.py).
+        self.ops.close_step(self._step)
         track_scheduled(self._reqs, so)
         self._plan_write_backs()
-        evict, self._evict_pairs = self._evict_pairs, []
+        evict, self._evict_pairs, self._evict_ops = self._evict_pairs, [], []
         store_pairs = self._advance_requests(so)
         meta = HiCacheMetadata(
             evict_stores=merge_copies([(block, page) for block, page, _ in evict]),
@@ -156,10 +178,10 @@ class HiCacheScheduler:
         self._step_loads, self._step_async_loads = [], []
         self.stats.record_store(len(evict) + len(store_pairs))
         if self.l3 is not None:
-            chains = self._stored_chains + [(tuple(c), [len(c) - 1], [p]) for _, p, c in evict]
-            meta.backups = self.l3.plan_backup(self.tree, chains)
+            meta.backups = self.l3.plan_backup(self.ops, self._stored_ranges, self._step)
             meta.prefetches = self.l3.plan_prefetches(self.tree, self._alloc_protecting)
-        self._stored_chains = []
+        self._stored_ranges = []
+        self._step += 1
         return meta
 
     def _completed_blocks(self, state: ReqState, num_scheduled: int) -> int:
@@ -178,7 +200,10 @@ class HiCacheScheduler:
             state = self._reqs.get(req_id)
             if state is None:
                 continue
-            lo, hi = state.num_planned, self._completed_blocks(state, num_scheduled)
+            # Blocks vLLM recomputes (a failed load, a preemption) are
+            # considered again: their pages may have left L2 meanwhile.
+            lo = min(state.num_planned, state.num_computed_tokens // self.block_size)
+            hi = self._completed_blocks(state, num_scheduled)
             if hi <= lo:
                 continue
             if self._write_back is not None:
@@ -199,23 +224,40 @@ class HiCacheScheduler:
         ]
         if not want:
             return []
-        pages = self._alloc_protecting(hashes, len(matched), len(want))
-        if pages is None:
-            self.stats.record_store_skipped(len(want))
-            return []
-        new_pages: list[int | None] = [None] * (want[-1] + 1)
-        for i, page in zip(want, pages):
-            new_pages[i] = page
-        unused = self.tree.insert(hashes[: want[-1] + 1], new_pages, -state.request.priority)
-        assert not unused, unused  # match() said these blocks had no page
-        if self.l3 is not None:
-            self._stored_chains.append((tuple(hashes[: want[-1] + 1]), want, pages))
+        pages = self._alloc_protecting(hashes, len(matched), len(want), partial=True)
+        if len(pages) < len(want):
+            # Every other page is pinned: store the leading blocks we can.
+            self.stats.record_store_skipped(len(want) - len(pages))
+            want = want[: len(pages)]
+            if not want:
+                return []
+        self._insert_pinned(OpKind.STORE, hashes[: want[-1] + 1], want, pages,
+                            state.request.priority)
         return [(state.block_ids[i], page) for i, page in zip(want, pages)]
 
-    def _alloc_protecting(self, hashes, num_matched: int, num_pages: int) -> list[int] | None:
-        """Allocate pages without evicting the chain we are extending."""
+    def _insert_pinned(self, kind: OpKind, chain, blocks: list[int], pages: list[int],
+                       priority: int) -> PageOp:
+        """Index freshly allocated pages and pin them until their store is
+        acknowledged, before anything else in this step can allocate."""
+        new_pages: list[int | None] = [None] * len(chain)
+        for i, page in zip(blocks, pages):
+            new_pages[i] = page
+        unused = self.tree.insert(chain, new_pages, -priority)
+        assert not unused, unused  # match() said these blocks had no page
+        rng = PinnedRange(tuple(chain), tuple(blocks), tuple(pages))
+        op = self.ops.open(kind, self._step, [rng])
+        if self.l3 is not None:
+            self._stored_ranges.append(rng)
+        return op
+
+    def _alloc_protecting(self, hashes, num_matched: int, num_pages: int,
+                          partial: bool = False) -> list[int] | None:
+        """Allocate pages without evicting the chain we are extending; with
+        ``partial``, as many as unpinned pages allow (maybe none)."""
         lock = self.tree.lock(hashes, num_matched) if num_matched else None
         try:
+            if partial:
+                return self.tree.alloc_up_to(num_pages)
             return self.tree.alloc(num_pages)
         finally:
             if lock is not None:
@@ -225,14 +267,41 @@ class HiCacheScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
-            lock = self._inflight.finish(req_id)
-            if lock is not None:
-                self.tree.unlock(lock)
+            op = self._inflight.finish(req_id)
+            if op is not None:
+                self.ops.close(op)
         meta = output.kv_connector_worker_meta
         if self.l3 is not None and meta is not None:
-            self.l3.on_worker_meta(meta, self.tree)
-        if output.invalid_block_ids:
-            self.stats.record_load_errors(len(output.invalid_block_ids))
+            self.l3.on_worker_meta(meta, self.tree, self.ops)
+        failed_pages = set(getattr(meta, "failed_store_pages", ()) or ())
+        if output.invalid_block_ids or failed_pages:
+            self._drop_failed(set(output.invalid_block_ids or ()), failed_pages)
+
+    def _drop_failed(self, l1_blocks: set[int], pages: set[int]) -> None:
+        """Copies failed: the pages involved must never be hits again (a
+        failed load means the page is unreadable, a failed store that it
+        holds garbage); vLLM recomputes the blocks."""
+        self.stats.record_load_errors(len(l1_blocks))
+        for chain in list(self.ops.recent_uses(l1_blocks=l1_blocks, pages=pages)):
+            if self.tree.invalidate(chain, len(chain) - 1):
+                self.stats.record_invalidated(1)
+        if l1_blocks and self._block_pool is not None:
+            # Under kv_load_failure_policy=recompute vLLM keeps the failed
+            # blocks (and those computed on top of them) in its prefix cache
+            # until the request recomputes them: any request scheduled
+            # meanwhile would hit them, and we would store what it read.
+            self._block_pool.evict_blocks(self._blocks_from_first_failure(l1_blocks))
+
+    def _blocks_from_first_failure(self, l1_blocks: set[int]) -> set[int]:
+        """The failed blocks, and every later block of the requests that own
+        them (computed this step over the missing KV)."""
+        doomed = set(l1_blocks)
+        for state in self._reqs.values():
+            ids = state.block_ids
+            first = next((i for i, b in enumerate(ids) if b in l1_blocks), None)
+            if first is not None:
+                doomed.update(ids[first:])
+        return doomed
 
     def on_new_request(self, request: Request) -> None:
         self._reqs[request.request_id] = ReqState(request)
@@ -254,7 +323,7 @@ class HiCacheScheduler:
         return i
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
-        # An in-flight async load keeps its lock until the worker reports it:
+        # An in-flight async load keeps its pins until the worker reports it:
         # vLLM itself delays freeing the blocks of such a request.
         self._reqs.pop(request.request_id, None)
         self._local_hit_tokens.pop(request.request_id, None)
@@ -271,22 +340,56 @@ class HiCacheScheduler:
 
     def _plan_write_backs(self) -> None:
         if self._write_back is not None:
-            self._evict_pairs += self._write_back.plan(self.tree, self._alloc_protecting)
+            self._evict_pairs += self._write_back.plan(
+                self.tree, self._alloc_protecting, self._pin_write_back)
+
+    def _pin_write_back(self, chain, page: int) -> None:
+        self._evict_ops.append(
+            self._insert_pinned(OpKind.WRITE_BACK, chain, [len(chain) - 1], [page], 0))
 
     def _on_l2_evict(self, hashes: list[bytes]) -> None:
         self.stats.record_evict(len(hashes))
         if self._write_back is not None:
             self._write_back.forget(hashes)
 
+    def has_pending_work(self) -> bool:
+        """Operations only the workers can finish (backups, async loads, L3
+        prefetches): vLLM keeps stepping while this is True, so their acks
+        and pins move on while no request runs. A store that makes no
+        progress for ``STALLED_WORK_S`` stops keeping an idle engine busy
+        (its acks then ride on the next request's steps)."""
+        pending = bool(self.ops.live(OpKind.ASYNC_LOAD) or self.ops.live(OpKind.BACKUP)
+                       or (self.l3 is not None and self.l3.has_open_prefetches()))
+        now = time.monotonic()
+        if not pending or len(self.ops) != self._pending_ops_seen:
+            self._pending_ops_seen = len(self.ops)
+            self._pending_since = now
+        return pending and now - self._pending_since < STALLED_WORK_S
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError naming every broken invariant of the scheduler
+        half (tests and debugging; O(L2 size))."""
+        self.tree.check_integrity()
+        problems = self.ops.check()
+        async_ops = {op.req_id for op in self.ops.live(OpKind.ASYNC_LOAD)}
+        if async_ops != self._inflight.req_ids():
+            problems.append(f"async loads in flight {sorted(self._inflight.req_ids())} "
+                            f"!= pinned async loads {sorted(async_ops)}")
+        prefetching = self.l3.prefetch_pages() if self.l3 is not None else set()
+        allocated = self.tree.allocated_pages()
+        if prefetching != allocated:
+            problems.append(f"pages allocated but not indexed {sorted(allocated)} are not the "
+                            f"pages of open prefetches {sorted(prefetching)}")
+        if problems:
+            raise RuntimeError("HiCache scheduler integrity: " + "; ".join(problems[:8]))
+
     def shutdown(self) -> None:
         if self.l3 is not None:
             self.l3.close()
 
     def reset_cache(self) -> bool:
-        """Drop L2 (``reset_prefix_cache(reset_connector=True)``)."""
-        # vLLM resets its own prefix cache first; write-backs that reset just
-        # planned would land in pages we are about to free.
-        self._evict_pairs.clear()
+        """Drop L2 (``reset_prefix_cache(reset_connector=True)``); pinned
+        pages stay until their operations end."""
         self.tree.clear()
         self.write_policy.clear()
         if self._write_back is not None:

@@ -19,6 +19,8 @@ class HiCacheStats:
     evicted_pages: int = 0
     # Blocks the workers reported as failed loads (vLLM recomputes them).
     load_error_blocks: int = 0
+    # Pages taken out of the index because a copy into or out of them failed.
+    invalidated_pages: int = 0
 
     def record_load(self, num_blocks: int) -> None:
         self.loaded_blocks += num_blocks
@@ -35,3 +37,6 @@ class HiCacheStats:
 
     def record_load_errors(self, num_blocks: int) -> None:
         self.load_error_blocks += num_blocks
+
+    def record_invalidated(self, num_pages: int) -> None:
+        self.invalidated_pages += num_pages

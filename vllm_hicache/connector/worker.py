@@ -10,6 +10,17 @@ Ordering (see connector/metadata.py): write-back copies run in
 ``wait_for_save`` after the forward. On CUDA every copy uses one transfer
 stream, so stores of step N precede loads of step N+1, and the compute stream
 waits for the stores before a step can overwrite a stored block.
+
+Failure invariant (same on CPU and CUDA): a copy that raises never kills the
+worker. A failed load becomes load errors for exactly its job's blocks (vLLM
+recomputes them); a layerwise job that failed on one layer is not copied on
+later layers, but every layer's event is still recorded, and that step's
+stores are dropped like failed ones (the forward computed on top of missing
+KV). A failed store
+leaves garbage in its host pages: they are reported to the scheduler
+(``failed_store_pages``) so it drops them from the index, and until a later
+store or prefetch rewrites them no load or L3 backup on this rank reads them
+(the scheduler may already have planned some before it hears of the failure).
 """
 
 from __future__ import annotations
@@ -23,7 +34,13 @@ from vllm_hicache.connector.async_loads import AsyncLoader
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.l3_setup import build_storage_io
 from vllm_hicache.connector.l3_worker import StorageIO
-from vllm_hicache.connector.metadata import BlockCopy, HiCacheMetadata, HiCacheWorkerMetadata
+from vllm_hicache.connector.metadata import (
+    BackupJob,
+    BlockCopy,
+    HiCacheMetadata,
+    HiCacheWorkerMetadata,
+    LoadJob,
+)
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor, make_transfer
 
@@ -44,6 +61,12 @@ class HiCacheWorker:
         self._meta: HiCacheMetadata | None = None
         self._pending_layers: set[int] = set()
         self._load_errors: set[int] = set()
+        # Layerwise jobs of this step that failed: skipped on later layers.
+        self._failed_loads: set[str] = set()
+        # Pages whose latest L1 -> L2 store raised: garbage until rewritten.
+        self._garbage_pages: set[int] = set()
+        # Failed-store pages not yet reported to the scheduler.
+        self._failed_store_pages: set[int] = set()
         self._stream = None
         self._layer_events: dict[int, object] = {}
         self._store_done = None
@@ -103,7 +126,8 @@ class HiCacheWorker:
         if meta.evict_stores and self._evicted_for is not meta:
             # Write-back: these blocks were just handed to new requests. Their
             # KV may come from a forward still in flight, hence after_compute.
-            self._run_on_stream(self.transfer.store, meta.evict_stores, after_compute=True)
+            self._store(meta.evict_stores, "write-back")
+            # Even after a failure: part of the copy may still be queued.
             self._wait_stores_on_compute(record_now=True)
         self._evicted_for = meta
 
@@ -117,16 +141,26 @@ class HiCacheWorker:
             # queued): the reads start after everything issued so far.
             ready = self._record_event() if self._stream is not None else None
             for job in meta.prefetches:
+                # The read rewrites these pages; the scheduler indexes only
+                # what it reports as read, so old garbage no longer matters.
+                self._garbage_pages.difference_update(job.pages)
                 self._io.submit_prefetch(job, ready)
         self._pending_layers = set(range(self.geom.num_layers)) if meta.loads else set()
         self._layer_events = {}
+        self._failed_loads = set()
+        for job in meta.loads:
+            if self._reads_garbage(job):
+                self._fail_load(job)
 
     def start_load_kv(self) -> None:
         meta = self._meta
         if meta is None:
             return
         for job in meta.async_loads:
-            self._async.submit(job)
+            if self._reads_garbage(job):
+                self._async.fail(job)
+            else:
+                self._async.submit(job)
         if meta.loads and self._stream is not None:
             self._queue_layer_loads(meta)
 
@@ -151,32 +185,82 @@ class HiCacheWorker:
             for layer in sorted(self._pending_layers):
                 self._load_layer(layer)
             for job in meta.loads:
-                self._load_errors.update(job.copy.block_ids)
+                self._fail_load(job)
             self._pending_layers.clear()
-        if meta.stores:
-            self._run_on_stream(self.transfer.store, meta.stores, after_compute=True)
+        if meta.stores and self._failed_loads:
+            # This forward attended to KV that never arrived: what it computed
+            # on top of it is wrong too. Which stored blocks depend on the
+            # failed requests is unknown here, so none of this step's stores
+            # may become L2 (or L3) content.
+            logger.warning("HiCache: a load failed this step; its %d stores are dropped",
+                           len(meta.stores))
+            self._mark_failed_stores(meta.stores)
+        elif meta.stores:
+            self._store(meta.stores, "store")
             if self._stream is not None:
                 self._store_done = self._record_event()
         if meta.backups:
             ready = self._record_event() if self._stream is not None else None
             for job in meta.backups:
-                self._io.submit_backup(job, ready)
+                self._io.submit_backup(self._without_garbage(job), ready)
 
     def _load_layer(self, layer: int) -> None:
         for job in self._meta.loads:
-            try:
-                self.transfer.load_layer(layer, job.copy.block_ids, job.copy.page_ids)
-            except Exception:  # a failed copy must become a recompute, not a crash
-                logger.exception("HiCache: load of %s failed", job.req_id)
-                self._load_errors.update(job.copy.block_ids)
+            self._copy_layer(layer, job)
 
     def _queue_layer_loads(self, meta: HiCacheMetadata) -> None:
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             for layer in range(self.geom.num_layers):
                 for job in meta.loads:
-                    self.transfer.load_layer(layer, job.copy.block_ids, job.copy.page_ids)
+                    self._copy_layer(layer, job)
+                # Recorded whatever failed: wait_for_layer_load needs every event.
                 self._layer_events[layer] = self._record_event()
+
+    def _copy_layer(self, layer: int, job: LoadJob) -> None:
+        if job.req_id in self._failed_loads:
+            return  # its blocks are recomputed: more copies are wasted work
+        try:
+            self.transfer.load_layer(layer, job.copy.block_ids, job.copy.page_ids)
+        except Exception:  # a failed copy must become a recompute, not a crash
+            logger.exception("HiCache: layer %d load of %s failed", layer, job.req_id)
+            self._fail_load(job)
+
+    def _fail_load(self, job: LoadJob) -> None:
+        self._failed_loads.add(job.req_id)
+        self._load_errors.update(job.copy.block_ids)
+
+    def _store(self, copy: BlockCopy, what: str) -> None:
+        try:
+            self._run_on_stream(self.transfer.store, copy, after_compute=True)
+        except Exception:  # a failed store costs cache, never the worker
+            logger.exception(
+                "HiCache: %s of %d blocks to host failed; their pages are dropped", what, len(copy)
+            )
+            # Which pages the copy reached before raising is unknown: all suspect.
+            self._mark_failed_stores(copy)
+            return
+        self._garbage_pages.difference_update(copy.page_ids)
+
+    def _mark_failed_stores(self, copy: BlockCopy) -> None:
+        self._garbage_pages.update(copy.page_ids)
+        self._failed_store_pages.update(copy.page_ids)
+
+    def _reads_garbage(self, job: LoadJob) -> bool:
+        if self._garbage_pages.isdisjoint(job.copy.page_ids):
+            return False
+        logger.warning("HiCache: load of %s reads pages whose store failed; recomputing", job.req_id)
+        return True
+
+    def _without_garbage(self, job: BackupJob) -> BackupJob:
+        """The backup minus pages whose store failed: an L3 object made from
+        garbage would carry a valid checksum and poison every instance."""
+        if self._garbage_pages.isdisjoint(job.pages):
+            return job
+        keep = [i for i, page in enumerate(job.pages) if page not in self._garbage_pages]
+        return BackupJob(
+            job.op_id, tuple(job.hashes[i] for i in keep), tuple(job.pages[i] for i in keep)
+        )
 
     # --- streams (CUDA only; no-ops on CPU) --------------------------------
 
@@ -215,15 +299,16 @@ class HiCacheWorker:
         return None, (done or None)
 
     def worker_meta(self) -> HiCacheWorkerMetadata | None:
-        if self._io is None:
+        # Failed stores are reported with or without L3: the L2 index needs them.
+        failed_pages, self._failed_store_pages = self._failed_store_pages, set()
+        progress, backups = self._io.poll() if self._io is not None else ({}, set())
+        if not progress and not backups and not failed_pages:
             return None
-        progress, backups = self._io.poll()
-        if not progress and not backups:
-            return None
-        rank = self._io.tp_rank
+        rank = self._io.tp_rank if self._io is not None else None
         return HiCacheWorkerMetadata(
             prefetch={op: {rank: p} for op, p in progress.items()},
             backups={op: {rank} for op in backups},
+            failed_store_pages=failed_pages,
         )
 
     def take_load_errors(self) -> set[int]:

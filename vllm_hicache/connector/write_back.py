@@ -8,19 +8,58 @@ which every worker copies in ``handle_preemptions``, i.e. before the forward
 that overwrites the reused block.
 
 The radix tree needs a block's whole chain, but the pool only knows the
-block, so the watcher keeps parent links: ``_l1_parent`` for blocks seen in
-L1, ``_l2_parent`` for blocks it wrote back (dropped when L2 evicts them).
-A block whose chain is unknown is simply not written back (a miss later).
+block, so the watcher keeps parent links (``_parent``: block hash -> hash of
+the block before it, None for block 0). A block with a missing link on its
+chain is simply not written back (a miss later). A link is held by:
+
+- the tracked set T (``_order`` + ``_parked``): blocks observed computed in
+  L1, not seen evicted since, plus ``_relays``: blocks that left L1 (or L2)
+  while a tracked block below them still walks through them; a relay leaves
+  T with its last tracked child;
+- ``_in_l2``: blocks with an L2 page that this watcher wrote (or found
+  there); ``forget`` releases them when the tree evicts them.
+
+Invariants (``check_invariants``):
+
+- ``_parent``'s keys are exactly T | ``_in_l2``, so memory is bounded by
+  ``max_tracked_blocks`` + the number of L2 pages;
+- ``len(T) <= max_tracked_blocks`` after every public call;
+- ``_num_children[h]`` is the number of members of T whose parent is h;
+  ``_parked`` and ``_relays`` hold only members with a tracked child.
+
+Trimming drops the least recently observed member of T that has no tracked
+child. Dropping such a leaf loses one block's chain, dropping an ancestor
+would lose the chains of every tracked block below it, so a parent always
+outlives its tracked children. Observing a block again moves it to the end
+of ``_order``: a hot shared prefix is never the oldest. A member that reaches
+the front of ``_order`` while it still has a tracked child is parked instead
+of dropped; when its last tracked child goes, it returns to the front of
+``_order``, which is exact LRU: everything left in ``_order`` was observed
+after it. T always has a leaf unless the links form a cycle, which chained
+hashes cannot; only then is the longest-parked member dropped, the bound
+winning over its children's chains. Each observed block costs O(1) amortized:
+every park or unpark is paid by an observation or a drop.
 """
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import block_hash_of_group_key
 
 _MISSING = object()
+
+
+class WriteBackCopy(NamedTuple):
+    """One block to copy from L1 to L2 before vLLM overwrites it."""
+
+    block_id: int
+    page: int
+    # The block's chain, block 0 first; the block itself is last.
+    chain: list[bytes]
 
 
 class WriteBackWatcher:
@@ -30,10 +69,17 @@ class WriteBackWatcher:
                 "hicache_write_policy=write_back needs vLLM's prefix caching "
                 "(enable_prefix_caching=True)"
             )
+        if max_tracked_blocks < 0:
+            raise ValueError(f"max_tracked_blocks must be >= 0, got {max_tracked_blocks}")
         self._max_tracked = max_tracked_blocks
         self._evicted: list[tuple[bytes, int]] = []
-        self._l1_parent: dict[bytes, bytes | None] = {}
-        self._l2_parent: dict[bytes, bytes | None] = {}
+        self._parent: dict[bytes, bytes | None] = {}
+        self._num_children: dict[bytes, int] = {}
+        # Both oldest first; the values are unused.
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._parked: OrderedDict[bytes, None] = OrderedDict()
+        self._relays: set[bytes] = set()
+        self._in_l2: set[bytes] = set()
         self._in_alloc = False
         # Called after a successful reset_prefix_cache: it runs between steps,
         # so the scheduler may plan (and index) those write-backs at once and
@@ -77,52 +123,230 @@ class WriteBackWatcher:
     def _record(self, block) -> None:
         self._evicted.append((block_hash_of_group_key(block.block_hash), block.block_id))
 
+    @property
+    def num_tracked_blocks(self) -> int:
+        """Size of T, the set bounded by ``max_tracked_blocks``."""
+        return len(self._order) + len(self._parked)
+
+    @property
+    def num_parent_links(self) -> int:
+        """Links held: T plus the blocks written to L2 and not yet evicted."""
+        return len(self._parent)
+
+    # --- events -----------------------------------------------------------
+
     def observe(self, hashes: Sequence[bytes], lo: int, hi: int) -> None:
         """Blocks [lo, hi) of a request's chain are now computed in L1."""
         for i in range(lo, hi):
-            self._l1_parent[hashes[i]] = hashes[i - 1] if i else None
-        while len(self._l1_parent) > self._max_tracked:
-            del self._l1_parent[next(iter(self._l1_parent))]
+            block_hash = hashes[i]
+            self._link(block_hash, hashes[i - 1] if i else None)
+            self._touch(block_hash)
+        self._trim()
 
     def forget(self, hashes: Sequence[bytes]) -> None:
         """L2 evicted these blocks."""
         for h in hashes:
-            self._l2_parent.pop(h, None)
+            if h not in self._in_l2:
+                continue
+            self._in_l2.discard(h)
+            if self._is_tracked(h):
+                continue
+            if self._num_children.get(h):
+                # A tracked block below still walks through this link. Only
+                # reachable when a block was observed after its parent had
+                # left T (observe with lo > 0).
+                self._track(h)
+                self._relays.add(h)
+            else:
+                del self._parent[h]
+        self._trim()
 
     def clear_l2(self) -> None:
-        self._l2_parent.clear()
+        self.forget(list(self._in_l2))
 
-    def plan(self, tree: HiRadixTree, alloc) -> list[tuple[int, int, list[bytes]]]:
-        """Pages for this step's evicted blocks: (block id, page, chain)."""
-        pairs: list[tuple[int, int, list[bytes]]] = []
+    def plan(self, tree: HiRadixTree, alloc, insert=None) -> list[WriteBackCopy]:
+        """Pages for the blocks evicted from L1 since the last call.
+
+        ``alloc(chain, num_matched, num_pages)`` returns pages or None;
+        ``insert(chain, page)`` indexes a new page for the chain's last block
+        (the scheduler also pins it until its copy is acknowledged, so a
+        later alloc of this call cannot take it); by default a plain
+        ``tree.insert``.
+        """
+        copies: list[WriteBackCopy] = []
         evicted, self._evicted = self._evicted, []
         for block_hash, block_id in evicted:
-            parent = self._l1_parent.pop(block_hash, _MISSING)
-            chain = None if parent is _MISSING else self._chain(block_hash, parent)
-            if chain is None:
-                continue
-            matched = tree.match(chain).pages
-            if len(matched) == len(chain) and matched[-1] is not None:
-                self._l2_parent[block_hash] = parent
-                continue
-            pages = alloc(chain, len(matched), 1)
-            if pages is None:
-                continue
-            tree.insert(chain, [None] * (len(chain) - 1) + pages)
-            self._l2_parent[block_hash] = parent
-            pairs.append((block_id, pages[0], chain))
-        return pairs
+            parent = self._parent.get(block_hash, _MISSING)
+            if parent is _MISSING:
+                continue  # never observed, or trimmed
+            chain = self._chain(block_hash)
+            in_l2 = chain is not None and self._store(tree, alloc, insert, chain, block_id, copies)
+            self._leave_l1(block_hash, parent, in_l2)  # type: ignore[arg-type]
+        return copies
 
-    def _chain(self, block_hash: bytes, parent) -> list[bytes] | None:
+    def check_invariants(self) -> None:
+        """Raise RuntimeError, with the numbers, if an invariant is broken."""
+        tracked = self._order.keys() | self._parked.keys()
+        problems = []
+        if len(tracked) != self.num_tracked_blocks:
+            both = self._order.keys() & self._parked.keys()
+            problems.append(f"{len(both)} both in order and parked")
+        if len(tracked) > self._max_tracked:
+            problems.append(f"{len(tracked)} tracked > bound {self._max_tracked}")
+        held = tracked | self._in_l2
+        if self._parent.keys() != held:
+            problems.append(
+                f"{len(self._parent.keys() - held)} links unheld, "
+                f"{len(held - self._parent.keys())} held without a link"
+            )
+        counted = Counter(self._parent.get(h) for h in tracked)
+        counted.pop(None, None)
+        if counted != self._num_children:
+            problems.append(
+                f"child counts wrong for {len(set(counted) ^ set(self._num_children))} blocks"
+            )
+        childless = [h for h in self._parked.keys() | self._relays if h not in self._num_children]
+        if childless:
+            problems.append(f"{len(childless)} parked or relays without a tracked child")
+        if not self._relays <= tracked:
+            problems.append(f"{len(self._relays - tracked)} relays not tracked")
+        if problems:
+            raise RuntimeError("WriteBackWatcher: " + "; ".join(problems))
+
+    # --- write-back -------------------------------------------------------
+
+    def _store(
+        self,
+        tree: HiRadixTree,
+        alloc,
+        insert,
+        chain: list[bytes],
+        block_id: int,
+        copies: list[WriteBackCopy],
+    ) -> bool:
+        """Give the chain's last block an L2 page; False if L2 has no room."""
+        matched = tree.match(chain).pages
+        if len(matched) == len(chain) and matched[-1] is not None:
+            return True
+        pages = alloc(chain, len(matched), 1)
+        if pages is None:
+            return False
+        if insert is not None:
+            insert(chain, pages[0])
+        else:
+            unused = tree.insert(chain, [None] * (len(chain) - 1) + pages)
+            assert not unused, unused  # match() said the block had no page
+        copies.append(WriteBackCopy(block_id, pages[0], chain))
+        return True
+
+    def _leave_l1(self, block_hash: bytes, parent: bytes | None, in_l2: bool) -> None:
+        if in_l2:
+            # alloc() may have evicted from L2 and the forget() it triggered
+            # trimmed this very link; the new page's children need it.
+            self._link(block_hash, parent)
+            self._in_l2.add(block_hash)
+        if self._is_tracked(block_hash):
+            if self._num_children.get(block_hash):
+                # vLLM evicted a parent first: the tracked child's chain
+                # still passes here.
+                self._relays.add(block_hash)
+            else:
+                self._untrack(block_hash)
+        if block_hash in self._parent and not self._is_held(block_hash):
+            del self._parent[block_hash]
+
+    def _chain(self, block_hash: bytes) -> list[bytes] | None:
         chain = [block_hash]
-        cur = parent
+        cur = self._parent[block_hash]
         while cur is not None:
-            nxt = self._l1_parent.get(cur, _MISSING)
-            if nxt is _MISSING:
-                nxt = self._l2_parent.get(cur, _MISSING)
-            if nxt is _MISSING:
+            nxt = self._parent.get(cur, _MISSING)
+            # Chained hashes cannot loop; the length check only guards
+            # against a caller feeding inconsistent chains.
+            if nxt is _MISSING or len(chain) > len(self._parent):
                 return None
             chain.append(cur)
-            cur = nxt
+            cur = nxt  # type: ignore[assignment]
         chain.reverse()
         return chain
+
+    # --- links and the tracked set ----------------------------------------
+
+    def _is_tracked(self, block_hash: bytes) -> bool:
+        return block_hash in self._order or block_hash in self._parked
+
+    def _is_held(self, block_hash: bytes) -> bool:
+        return self._is_tracked(block_hash) or block_hash in self._in_l2
+
+    def _link(self, block_hash: bytes, parent: bytes | None) -> None:
+        old = self._parent.get(block_hash, _MISSING)
+        if old is not _MISSING and old == parent:
+            return
+        tracked = self._is_tracked(block_hash)
+        if tracked and old is not _MISSING:
+            self._lose_child(old)  # type: ignore[arg-type]
+        self._parent[block_hash] = parent
+        if tracked:
+            self._gain_child(parent)
+
+    def _touch(self, block_hash: bytes) -> None:
+        """A linked block was just observed: the newest member of T."""
+        self._relays.discard(block_hash)
+        if block_hash in self._order:
+            self._order.move_to_end(block_hash)
+        elif block_hash in self._parked:
+            del self._parked[block_hash]
+            self._order[block_hash] = None
+        else:
+            self._track(block_hash)
+
+    def _track(self, block_hash: bytes) -> None:
+        self._order[block_hash] = None
+        self._gain_child(self._parent[block_hash])
+
+    def _untrack(self, block_hash: bytes) -> None:
+        if self._order.pop(block_hash, _MISSING) is _MISSING:
+            del self._parked[block_hash]
+        self._relays.discard(block_hash)
+        self._lose_child(self._parent[block_hash])
+
+    def _gain_child(self, parent: bytes | None) -> None:
+        if parent is not None:
+            self._num_children[parent] = self._num_children.get(parent, 0) + 1
+
+    def _lose_child(self, parent: bytes | None) -> None:
+        while parent is not None:
+            num_children = self._num_children[parent] - 1
+            if num_children:
+                self._num_children[parent] = num_children
+                return
+            del self._num_children[parent]
+            if parent in self._relays:
+                # Kept only for the blocks below, now all gone; so may its
+                # own parent be. Each step removes a member: O(1) amortized.
+                self._relays.discard(parent)
+                if self._order.pop(parent, _MISSING) is _MISSING:
+                    del self._parked[parent]
+                block_hash, parent = parent, self._parent[parent]
+                if block_hash not in self._in_l2:
+                    del self._parent[block_hash]
+                continue
+            if parent in self._parked:
+                # Parked when it was the oldest in _order; all there is newer.
+                del self._parked[parent]
+                self._order[parent] = None
+                self._order.move_to_end(parent, last=False)
+            return
+
+    def _trim(self) -> None:
+        while len(self._order) + len(self._parked) > self._max_tracked:
+            if self._order:
+                block_hash = next(iter(self._order))
+                if self._num_children.get(block_hash):
+                    del self._order[block_hash]
+                    self._parked[block_hash] = None
+                    continue
+            else:
+                block_hash = next(iter(self._parked))  # only a cycle of links
+            self._untrack(block_hash)
+            if block_hash not in self._in_l2:
+                del self._parent[block_hash]

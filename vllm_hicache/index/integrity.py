@@ -74,10 +74,34 @@ def _check_pages(
     return cached, locked
 
 
+def _walk_orphans(
+    orphans: set[RadixNode], leaves: set[RadixNode], problems: list[str]
+) -> list[RadixNode]:
+    """Nodes of the pinned subtrees cut off by ``invalidate``."""
+    nodes: list[RadixNode] = []
+    for top in orphans:
+        if top.lock_ref <= 0:
+            problems.append(f"orphan {top} is not pinned (its pages should be free)")
+        parent = top.parent
+        if parent is not None and parent.children.get(top.key[0]) is top:
+            problems.append(f"orphan {top} is still linked under {parent}")
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            if not node.orphaned:
+                problems.append(f"{node} below orphan {top.id} is not marked orphaned")
+            if node in leaves:
+                problems.append(f"orphaned {node} is an eviction candidate")
+            nodes.append(node)
+            stack.extend(node.children.values())
+    return nodes
+
+
 def check_index(
     root: RadixNode,
     free: FreePages,
     leaves: set[RadixNode],
+    orphans: set[RadixNode],
     *,
     num_pages: int,
     num_cached_pages: int,
@@ -90,6 +114,8 @@ def check_index(
     nodes = _walk(root, leaves, problems)
     if len(leaves) > sum(1 for n in nodes if n in leaves):
         problems.append("leaf set holds nodes that are not in the tree")
+    problems.extend(f"{n} is reachable but marked orphaned" for n in nodes if n.orphaned)
+    nodes += _walk_orphans(orphans, leaves, problems)
     cached, locked = _check_pages(nodes, free, num_pages, problems)
     num_free, num_allocated = len(free), len(free.allocated)
     if num_free + cached + num_allocated != num_pages:

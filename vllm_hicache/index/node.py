@@ -20,7 +20,7 @@ class RadixNode:
 
     __slots__ = (
         "id", "parent", "children", "key", "pages", "lock_ref",
-        "hit_count", "priority", "last_access_time", "creation_time",
+        "hit_count", "priority", "last_access_time", "creation_time", "orphaned",
     )
 
     def __init__(
@@ -42,6 +42,9 @@ class RadixNode:
         self.priority = priority
         self.last_access_time = now
         self.creation_time = now
+        # Cut off by ``invalidate`` while pinned: unreachable from the root,
+        # its pages are freed when the last pin on it is released.
+        self.orphaned = False
 
     def split(self, num_blocks: int) -> RadixNode:
         """Cut the first ``num_blocks`` blocks off into a new parent; return it.
@@ -69,7 +72,9 @@ class RadixNode:
 
     def __repr__(self) -> str:
         kind = "placeholder" if self.pages is None else f"pages={self.pages}"
-        return f"RadixNode(id={self.id}, blocks={len(self.key)}, {kind}, lock_ref={self.lock_ref})"
+        orphan = ", orphaned" if self.orphaned else ""
+        return (f"RadixNode(id={self.id}, blocks={len(self.key)}, {kind}, "
+                f"lock_ref={self.lock_ref}{orphan})")
 
 
 class LockHandle:
@@ -106,3 +111,11 @@ class MatchResult(NamedTuple):
         while end < len(pages) and pages[end] is not None:
             end += 1
         return pages[start_block:end]  # type: ignore[return-value]
+
+
+class PinnedPages(NamedTuple):
+    """Pages of pinned nodes (``HiRadixTree.pinned_pages``): those still
+    matchable, and those in orphans (invalidated, waiting for their pins)."""
+
+    indexed: frozenset[int]
+    orphaned: frozenset[int]

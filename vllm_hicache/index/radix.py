@@ -11,7 +11,10 @@ placeholder. Invariants (checked by ``check_integrity``):
   last child is pruned at once, unless a lock still holds it (then it goes
   when the lock is released);
 - a locked node's ancestors are locked at least as many times;
-- eviction is leaf-first, so a prefix never leaves before its extensions.
+- eviction is leaf-first, so a prefix never leaves before its extensions;
+- an invalidated subtree is unreachable at once; while pinned it survives
+  as an orphan (its pages neither free nor matchable), freed by the unlock
+  that releases its last pin.
 
 Mutations happen only in the scheduler half, single-threaded. Pure module.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from vllm_hicache.index.node import LockHandle, MatchResult, RadixNode
+from vllm_hicache.index.node import LockHandle, MatchResult, PinnedPages, RadixNode
 from vllm_hicache.index.tree_pages import TreePages
 from vllm_hicache.policy.eviction import EvictionPolicy
 
@@ -140,20 +143,73 @@ class HiRadixTree(TreePages):
         return LockHandle(nodes[-1] if nodes else self._root, num_blocks)
 
     def unlock(self, handle: LockHandle) -> None:
-        """Release one ``lock``. A second unlock of the same handle raises."""
+        """Release one ``lock``. A second unlock of the same handle raises.
+
+        The release that drops an orphan's last pin frees its pages; a
+        placeholder left without children and pins is pruned.
+        """
         if not handle._active:
             raise RuntimeError(f"lock handle for {handle.num_blocks} blocks already unlocked")
         handle._active = False
         node = handle._node
+        # One walk can free several orphans: one cut below another on the
+        # same chain still hangs from a node inside the upper one.
+        released_orphans: list[RadixNode] = []
+        prune: RadixNode | None = None
         while node is not self._root:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, node
-            if node.lock_ref == 0 and node.pages is not None:
-                self._num_locked_pages -= len(node.pages)
+            if node.lock_ref == 0:
+                if node.pages is not None:
+                    self._num_locked_pages -= len(node.pages)
+                if node in self._orphans:
+                    released_orphans.append(node)
+                elif (prune is None and not node.orphaned and node.pages is None
+                      and not node.children):
+                    prune = node
             node = node.parent  # type: ignore[assignment]
-        deepest = handle._node
-        if deepest.pages is None and not deepest.children and deepest.lock_ref == 0:
-            self._detach(deepest)
+        for orphan in released_orphans:
+            self._free_orphan(orphan)
+        if prune is not None:
+            self._detach(prune)
+
+    def invalidate(self, hashes: Sequence[bytes], block: int) -> bool:
+        """Drop block ``block`` of this chain, and every block below it, from
+        the index: a page whose content is wrong (its copy failed) must never
+        be a hit again. Pinned pages are freed when their last pin goes.
+        Returns False if the block was not in the tree (nothing to do).
+        """
+        if not 0 <= block < len(hashes):
+            raise ValueError(f"block={block} outside [0, {len(hashes)})")
+        nodes, covered = self._path(hashes, block + 1)
+        if covered <= block:
+            return False
+        node = nodes[-1]
+        offset = block - sum(len(n.key) for n in nodes[:-1])
+        if offset > 0:
+            node.split(offset)  # ``node`` keeps the tail that starts at ``block``
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key[0]]
+        self._orphan(node)  # keeps node.parent while pinned: unlock walks through it
+        if parent is not self._root and not parent.children:
+            if parent.pages is not None:
+                self._leaves.add(parent)
+            elif parent.lock_ref == 0:
+                self._detach(parent)
+        return True
+
+    def pinned_pages(self) -> PinnedPages:
+        """Pages of pinned nodes, indexed or orphaned. O(tree size): checks only."""
+        indexed: set[int] = set()
+        orphaned: set[int] = set()
+        stack = [*self._root.children.values(), *self._orphans]
+        while stack:
+            node = stack.pop()
+            if node.lock_ref and node.pages is not None:
+                (orphaned if node.orphaned else indexed).update(node.pages)
+            stack.extend(node.children.values())
+        return PinnedPages(frozenset(indexed), frozenset(orphaned))
 
     # --- insert ---------------------------------------------------------
 

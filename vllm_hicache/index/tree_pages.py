@@ -39,6 +39,8 @@ class TreePages:
         self._root = RadixNode(None, [], [], clock())
         # Host-backed non-root nodes without children: the eviction candidates.
         self._leaves: set[RadixNode] = set()
+        # Tops of subtrees cut off by ``invalidate`` while pinned (see node.py).
+        self._orphans: set[RadixNode] = set()
         self._num_cached_pages = 0
         self._num_locked_pages = 0
 
@@ -60,6 +62,10 @@ class TreePages:
     def num_locked_pages(self) -> int:
         return self._num_locked_pages
 
+    def allocated_pages(self) -> frozenset[int]:
+        """Pages handed out by ``alloc`` and neither inserted nor freed yet."""
+        return frozenset(self._free.allocated)
+
     # --- pages ----------------------------------------------------------
 
     def alloc(self, num_pages: int) -> list[int] | None:
@@ -76,6 +82,19 @@ class TreePages:
             if len(self._free) < num_pages:
                 return None
         return self._free.take(num_pages)
+
+    def alloc_up_to(self, num_pages: int) -> list[int]:
+        """Take as many free pages as eviction can find, at most ``num_pages``.
+
+        Never evicts a pinned page: when too few unpinned pages exist the
+        caller simply gets fewer (stores less).
+        """
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        short = num_pages - len(self._free)
+        if short > 0:
+            self.evict(short)
+        return self._free.take(min(num_pages, len(self._free)))
 
     def free(self, pages: Sequence[int]) -> None:
         """Give back pages from ``alloc`` that were never inserted."""
@@ -161,7 +180,8 @@ class TreePages:
             node = parent
 
     def clear(self) -> None:
-        """Drop every unlocked node (reset_cache); locked paths stay."""
+        """Drop every unlocked node (reset_cache); locked paths (and pinned
+        orphans) stay."""
         freed: list[int] = []
         stack = [self._root]
         while stack:
@@ -176,6 +196,39 @@ class TreePages:
                 self._leaves.add(node)
         self._free.push(freed)
         self._num_cached_pages -= len(freed)
+
+    def _orphan(self, top: RadixNode) -> None:
+        """Cut ``top``'s subtree out of the index (it is already unlinked).
+
+        Unpinned, its pages are freed at once; pinned, they stay with their
+        pins and are freed by the unlock that releases the last one.
+        """
+        if top.lock_ref == 0:
+            self._free_orphan(top)
+            return
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            node.orphaned = True
+            self._leaves.discard(node)
+            stack.extend(node.children.values())
+        self._orphans.add(top)
+
+    def _free_orphan(self, top: RadixNode) -> None:
+        freed: list[int] = []
+        hashes: list[bytes] = []
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            if node.pages is not None:
+                hashes.extend(node.key)
+            stack.extend(node.children.values())
+        self._drop_subtree(top, freed)
+        self._orphans.discard(top)
+        self._free.push(freed)
+        self._num_cached_pages -= len(freed)
+        if hashes and self._on_evict is not None:
+            self._on_evict(hashes)
 
     def _drop_subtree(self, top: RadixNode, freed: list[int]) -> None:
         top.parent = None
@@ -195,6 +248,7 @@ class TreePages:
             self._root,
             self._free,
             self._leaves,
+            self._orphans,
             num_pages=self._num_pages,
             num_cached_pages=self._num_cached_pages,
             num_locked_pages=self._num_locked_pages,
