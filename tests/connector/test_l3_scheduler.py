@@ -56,8 +56,8 @@ def test_backup_then_prefetch_round_trip(tiny_model_dir):
     assert_clean(h)
 
 
-def test_backup_pins_pages_until_acknowledged(tiny_model_dir):
-    h, store = l3_harness(tiny_model_dir)
+def hold_backups(h) -> threading.Event:
+    """Backups wait (bounded) until the returned gate is set."""
     gate = threading.Event()
     real_backup = h.worker.worker._io._backup
 
@@ -66,6 +66,12 @@ def test_backup_pins_pages_until_acknowledged(tiny_model_dir):
         real_backup(job, ready)
 
     h.worker.worker._io._backup = held_backup
+    return gate
+
+
+def test_backup_pins_pages_until_acknowledged(tiny_model_dir):
+    h, store = l3_harness(tiny_model_dir)
+    gate = hold_backups(h)
     h.add("a", prompt(21, 3 * BLOCK + 1), max_tokens=1)
     for _ in range(50):  # until the lookup (a miss) lets "a" run
         h.step(complete_async=False)

@@ -106,20 +106,12 @@ def test_idle_engine_keeps_stepping_until_backups_are_acknowledged(tiny_model_di
     """vLLM steps only while ``has_requests()``; the connector's pending
     work keeps it stepping after the last request, so backup acks (and the
     pins they release) arrive without waiting for the next request."""
-    import threading
     import time
 
-    from tests.connector.test_l3_scheduler import l3_harness
+    from tests.connector.test_l3_scheduler import hold_backups, l3_harness
 
     h, store = l3_harness(tiny_model_dir, policy="best_effort")
-    gate = threading.Event()
-    real_backup = h.worker.worker._io._backup
-
-    def held_backup(job, ready):
-        assert gate.wait(timeout=10)
-        real_backup(job, ready)
-
-    h.worker.worker._io._backup = held_backup
+    gate = hold_backups(h)
     h.add("a", prompt(42, 3 * BLOCK + 1), max_tokens=1)
     for _ in range(50):
         h.step(complete_async=False)

@@ -80,9 +80,11 @@ class StorageIO:
         # A worker thread must never die: an error becomes a miss/an ack.
         try:
             fn(*args)
-        except Exception:  # noqa: BLE001
-            logger.exception("HiCache L3 I/O failed")
+        except Exception as exc:  # noqa: BLE001
+            # One line, no traceback: an unreachable store fails every job.
             job = args[0]
+            kind = "prefetch" if isinstance(job, PrefetchJob) else "backup"
+            logger.warning("HiCache L3 %s of %d pages failed: %r", kind, len(job.pages), exc)
             with self._lock:
                 if isinstance(job, PrefetchJob):
                     done, _ = self._progress.get(job.op_id, (0, False))
