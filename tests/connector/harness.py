@@ -1,7 +1,7 @@
 """Drive vLLM's real Scheduler plus our worker half in one process, no model.
 
 The "forward" is fake but honest about bytes: for every token it computes,
-it writes KV derived from the token's block hash and offset into the
+it writes KV derived from every token up to it (as real KV is) into the
 request's L1 block (CPU attention layout), so a load that puts the wrong
 page into a block is caught by ``check_block``.
 """
@@ -128,8 +128,7 @@ class Harness:
                 continue  # aborted meanwhile: its blocks may already be reused
             blocks = self.scheduler.kv_cache_manager.get_block_ids(job.req_id)[0]
             for block_id in job.copy.block_ids:
-                idx = blocks.index(block_id)
-                self.load_checks.append(self.check_block(block_id, req.block_hashes[idx]))
+                self.load_checks.append(self.check_block(block_id, req, blocks.index(block_id)))
 
     def kv_zero(self) -> None:
         """Forget L1 bytes, so only a real load can bring them back."""
@@ -146,29 +145,39 @@ class Harness:
             req = self.scheduler.requests[req_id]
             blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
             start = starts[req_id]
-            for pos in range(start, start + n):
-                if pos // BLOCK < len(req.block_hashes):
-                    self._write_slot(blocks[pos // BLOCK], req.block_hashes[pos // BLOCK], pos % BLOCK)
+            for pos in range(start, min(start + n, req.num_tokens)):
+                # Every computed token, full block or not: a block completed
+                # by a later step must already hold its earlier slots.
+                self._write_slot(blocks[pos // BLOCK], req, pos)
 
-    def _write_slot(self, block_id: int, block_hash: bytes, offset: int) -> None:
+    def _write_slot(self, block_id: int, req: Request, pos: int) -> None:
         for layer, t in enumerate(self.kv.values()):
             view = t.view(t.shape[0], HEADS, 2 * BLOCK, HEAD_SIZE)
-            view[block_id, :, offset] = expected_value(block_hash, offset, layer, 0)
-            view[block_id, :, BLOCK + offset] = expected_value(block_hash, offset, layer, 1)
+            offset = pos % BLOCK
+            view[block_id, :, offset] = expected_value(req, pos, layer, 0)
+            view[block_id, :, BLOCK + offset] = expected_value(req, pos, layer, 1)
 
-    def check_block(self, block_id: int, block_hash: bytes) -> bool:
+    def check_block(self, block_id: int, req: Request, index: int) -> bool:
+        """Does L1 block ``block_id`` hold the KV of block ``index`` of ``req``?"""
         for layer, t in enumerate(self.kv.values()):
             view = t.view(t.shape[0], HEADS, 2 * BLOCK, HEAD_SIZE)
             for off in range(BLOCK):
-                if not torch.all(view[block_id, :, off] == expected_value(block_hash, off, layer, 0)):
+                pos = index * BLOCK + off
+                if not torch.all(view[block_id, :, off] == expected_value(req, pos, layer, 0)):
                     return False
-                if not torch.all(view[block_id, :, BLOCK + off] == expected_value(block_hash, off, layer, 1)):
+                if not torch.all(view[block_id, :, BLOCK + off] == expected_value(req, pos, layer, 1)):
                     return False
         return True
 
 
-def expected_value(block_hash: bytes, offset: int, layer: int, plane: int) -> float:
-    digest = hashlib.blake2b(block_hash + bytes([offset, layer, plane]), digest_size=2).digest()
+def expected_value(req: Request, pos: int, layer: int, plane: int) -> float:
+    """The fake KV of token ``pos``: like real KV, a function of every token
+    up to it (the previous block's chained hash, then this block's tokens)."""
+    index = pos // BLOCK
+    parent = req.block_hashes[index - 1] if index else b""
+    tokens = req.all_token_ids[index * BLOCK : pos + 1]
+    data = bytes(parent) + b"".join(int(x).to_bytes(4, "little") for x in tokens)
+    digest = hashlib.blake2b(data + bytes([layer, plane]), digest_size=2).digest()
     return float(int.from_bytes(digest, "little") % 4093)
 
 
