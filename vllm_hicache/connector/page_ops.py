@@ -90,6 +90,8 @@ class PageOps:
         # Loads and stores of the last two steps, closed or not: a copy
         # failure can be reported after its step was acknowledged.
         self._recent: dict[int, list[PageOp]] = {}
+        # Live ops per kind: has_pending_work asks on every engine loop.
+        self._num_live: dict[OpKind, int] = dict.fromkeys(OpKind, 0)
 
     def open(self, kind: OpKind, step: int, ranges: Sequence[PinnedRange],
              req_id: str | None = None, l1_blocks: Sequence[int] = ()) -> PageOp:
@@ -105,6 +107,7 @@ class PageOps:
             raise
         op = PageOp(next(self._ids), kind, step, list(ranges), locks, req_id, tuple(l1_blocks))
         self._ops[op.op_id] = op
+        self._num_live[kind] += 1
         if kind != OpKind.BACKUP:
             self._recent.setdefault(step, []).append(op)
         return op
@@ -115,13 +118,18 @@ class PageOps:
             return
         op.closed = True
         del self._ops[op.op_id]
+        self._num_live[op.kind] -= 1
         for lock in op.locks:
             self._tree.unlock(lock)
 
     def close_step(self, step: int) -> None:
         """Step ``step`` is being built: every earlier step is acknowledged."""
-        for op in [o for o in self._ops.values() if o.kind in _STEP_SCOPED and o.step < step]:
-            self.close(op)
+        # Every step-scoped op is in _recent under its step (kept two steps,
+        # and this runs every step): no scan of all live ops.
+        for s in [s for s in self._recent if s < step]:
+            for op in self._recent[s]:
+                if op.kind in _STEP_SCOPED:
+                    self.close(op)
         for old in [s for s in self._recent if s < step - 1]:
             del self._recent[old]
 
@@ -141,6 +149,9 @@ class PageOps:
                     for block, block_id in zip(r.blocks, op.l1_blocks):
                         if block_id in l1_blocks:
                             yield r.chain[: block + 1]
+
+    def num_live(self, kind: OpKind) -> int:
+        return self._num_live[kind]
 
     def live(self, kind: OpKind | None = None) -> list[PageOp]:
         return [o for o in self._ops.values() if kind is None or o.kind == kind]

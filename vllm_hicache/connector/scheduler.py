@@ -358,7 +358,7 @@ class HiCacheScheduler:
         and pins move on while no request runs. A store that makes no
         progress for ``STALLED_WORK_S`` stops keeping an idle engine busy
         (its acks then ride on the next request's steps)."""
-        pending = bool(self.ops.live(OpKind.ASYNC_LOAD) or self.ops.live(OpKind.BACKUP)
+        pending = bool(self.ops.num_live(OpKind.ASYNC_LOAD) or self.ops.num_live(OpKind.BACKUP)
                        or (self.l3 is not None and self.l3.has_open_prefetches()))
         now = time.monotonic()
         if not pending or len(self.ops) != self._pending_ops_seen:
