@@ -109,7 +109,8 @@ def test_stuck_backend_cannot_hang_shutdown(store, caplog):
         io.shutdown()
     elapsed_s = time.monotonic() - start_s
 
-    assert drain_timeout_s <= elapsed_s < drain_timeout_s + 1.0
+    # Bounded: the put never returns, yet shutdown does (slack for a busy CI host).
+    assert drain_timeout_s <= elapsed_s < drain_timeout_s + 3.0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("abandoned 3 of 3" in m for m in warnings), warnings
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from vllm_hicache.connector.daemon_pool import DaemonPool
 from vllm_hicache.connector.metadata import BackupJob, HiCacheWorkerMetadata, PrefetchJob
 from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.index import HiRadixTree
@@ -67,7 +68,7 @@ class StoragePlanner:
         self.world_size = world_size
         self.max_inflight_pages = max_inflight_pages
         self.threshold_blocks = max(1, -(-cfg.prefetch_threshold // block_size))
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-lookup")
+        self._executor = DaemonPool(1, "hicache-l3-lookup")
         self._lookups: dict[str, _Lookup] = {}
         self._ops: dict[int, _Op] = {}
         self._inflight_pages = 0

@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 
+from vllm_hicache.connector.daemon_pool import DaemonPool
 from vllm_hicache.connector.metadata import BackupJob, PrefetchJob
 from vllm_hicache.storage.pages import PageStore
 
@@ -44,7 +45,9 @@ class StorageIO:
         # MLA keeps one copy: only rank 0 writes, every rank still acks.
         self._writes = writes
         self._drain_timeout_s = drain_timeout_s
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-l3")
+        # Daemon threads: a store that never answers must not keep the
+        # process from exiting once shutdown has given up on it.
+        self._pool = DaemonPool(num_threads, "hicache-l3")
         self._lock = threading.Lock()
         self._progress: dict[int, tuple[int, bool]] = {}
         self._backups_done: set[int] = set()
