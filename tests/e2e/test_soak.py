@@ -205,12 +205,12 @@ def drain_idle(engine, half, timeout_s: float = 30.0) -> None:
 
 
 def report(curve, baseline=None) -> None:
-    rows = ["requests_done rss_mib_hicache" + (" rss_mib_vllm_alone" if baseline else "")]
-    for i, (n, rss) in enumerate(curve):
-        other = f" {baseline[i][1] / 2**20:.1f}" if baseline and i < len(baseline) else ""
-        rows.append(f"{n} {rss / 2**20:.1f}{other}")
+    """Print (and write to $HICACHE_SOAK_REPORT) each RSS curve."""
+    rows = ["system requests_done rss_mib"]
+    for system, points in (("hicache", curve), ("vllm_alone", baseline or [])):
+        rows += [f"{system} {n} {rss / 2**20:.1f}" for n, rss in points]
     text = "\n".join(rows)
-    print("\nRSS curve:\n" + text)
+    print("\nRSS curves:\n" + text)
     path = os.getenv("HICACHE_SOAK_REPORT")
     if path:
         with open(path, "w") as f:
