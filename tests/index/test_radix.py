@@ -277,8 +277,8 @@ def test_invalidate_twice_on_one_chain_frees_both_orphans(kit):
     kit.put(hashes)
     tree = kit.tree
     lock = tree.lock(hashes, 6)
-    assert tree.invalidate(hashes, 4)
-    assert tree.invalidate(hashes, 2)
+    assert tree.invalidate(hashes, 4) == 2  # blocks 4 and 5
+    assert tree.invalidate(hashes, 2) == 2  # blocks 2 and 3
     assert tree.match(hashes).pages == kit.tree.match(hashes[:2]).pages
     assert len(tree.match(hashes).pages) == 2
     tree.check_integrity()

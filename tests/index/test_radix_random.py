@@ -117,7 +117,7 @@ class Model:
         below = [h for h in self.hash_to_page if gone in self.hash_to_chain[h]]
         pages = {h: self.hash_to_page.pop(h) for h in below}
         self.invalidating = True  # unpinned pages are freed (and reported) at once
-        assert self.tree.invalidate(hashes, block)
+        assert self.tree.invalidate(hashes, block) == len(below)
         self.invalidating = False
         free = set(self.tree._free.snapshot())
         # Pages not freed at once wait in a pinned orphan for their last pin.

@@ -108,6 +108,9 @@ class HiCacheScheduler:
     ) -> tuple[int | None, bool]:
         if self.l3 is not None and self.l3.must_wait(request.request_id):
             return None, False  # per the prefetch policy: ask again later
+        # For update_state_after_alloc, which vLLM calls right after the call
+        # that lets the request in (the last call wins).
+        self._local_hit_tokens[request.request_id] = num_computed_tokens
         pages = self._hit_pages(request, num_computed_tokens)
         if not pages:
             return 0, False
@@ -117,9 +120,6 @@ class HiCacheScheduler:
         return len(pages) * self.block_size, self.load_async
 
     def _hit_pages(self, request: Request, num_computed_tokens: int) -> list[int]:
-        # Remembered for update_state_after_alloc (the last call wins: vLLM
-        # allocates right after the call that succeeds).
-        self._local_hit_tokens[request.request_id] = num_computed_tokens
         start = num_computed_tokens // self.block_size
         limit = loadable_block_limit(request.num_tokens, self.block_size)
         if limit <= start:
@@ -141,7 +141,6 @@ class HiCacheScheduler:
         if num_blocks == 0:
             return
         pages = self._hit_pages(request, local)[:num_blocks]
-        self._local_hit_tokens.pop(req_id)
         # No eviction can run between the lookup and here (see module doc).
         assert len(pages) == num_blocks, (req_id, len(pages), num_blocks)
         hashes = request.block_hashes[:end]
@@ -273,7 +272,7 @@ class HiCacheScheduler:
         meta = output.kv_connector_worker_meta
         if self.l3 is not None and meta is not None:
             self.l3.on_worker_meta(meta, self.tree, self.ops)
-        failed_pages = set(getattr(meta, "failed_store_pages", ()) or ())
+        failed_pages = meta.failed_store_pages if meta is not None else set()
         if output.invalid_block_ids or failed_pages:
             self._drop_failed(set(output.invalid_block_ids or ()), failed_pages)
 
@@ -283,8 +282,7 @@ class HiCacheScheduler:
         holds garbage); vLLM recomputes the blocks."""
         self.stats.record_load_errors(len(l1_blocks))
         for chain in list(self.ops.recent_uses(l1_blocks=l1_blocks, pages=pages)):
-            if self.tree.invalidate(chain, len(chain) - 1):
-                self.stats.record_invalidated(1)
+            self.stats.record_invalidated(self.tree.invalidate(chain, len(chain) - 1))
         if l1_blocks and self._block_pool is not None:
             # Under kv_load_failure_policy=recompute vLLM keeps the failed
             # blocks (and those computed on top of them) in its prefix cache

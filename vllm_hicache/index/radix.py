@@ -43,6 +43,15 @@ def _common_len(key: list[bytes], hashes: Sequence[bytes], start: int, stop: int
     return j
 
 
+def _subtree_pages(top: RadixNode) -> int:
+    num_pages, stack = 0, [top]
+    while stack:
+        node = stack.pop()
+        num_pages += len(node.pages or ())
+        stack.extend(node.children.values())
+    return num_pages
+
+
 def _same_kind_run(pages: Sequence[int | None], start: int, stop: int) -> int:
     """Length of the run at ``start`` that is all-None or all-page."""
     placeholder = pages[start] is None
@@ -173,17 +182,17 @@ class HiRadixTree(TreePages):
         if prune is not None:
             self._detach(prune)
 
-    def invalidate(self, hashes: Sequence[bytes], block: int) -> bool:
+    def invalidate(self, hashes: Sequence[bytes], block: int) -> int:
         """Drop block ``block`` of this chain, and every block below it, from
         the index: a page whose content is wrong (its copy failed) must never
         be a hit again. Pinned pages are freed when their last pin goes.
-        Returns False if the block was not in the tree (nothing to do).
+        Returns how many pages left the index (0: the block was not there).
         """
         if not 0 <= block < len(hashes):
             raise ValueError(f"block={block} outside [0, {len(hashes)})")
         nodes, covered = self._path(hashes, block + 1)
         if covered <= block:
-            return False
+            return 0
         node = nodes[-1]
         offset = block - sum(len(n.key) for n in nodes[:-1])
         if offset > 0:
@@ -191,13 +200,14 @@ class HiRadixTree(TreePages):
         parent = node.parent
         assert parent is not None
         del parent.children[node.key[0]]
+        num_pages = _subtree_pages(node)
         self._orphan(node)  # keeps node.parent while pinned: unlock walks through it
         if parent is not self._root and not parent.children:
             if parent.pages is not None:
                 self._leaves.add(parent)
             elif parent.lock_ref == 0:
                 self._detach(parent)
-        return True
+        return num_pages
 
     def pinned_pages(self) -> PinnedPages:
         """Pages of pinned nodes, indexed or orphaned. O(tree size): checks only."""
