@@ -85,7 +85,7 @@ def _golden_tag() -> str:
 
 
 def test_tag_is_equal_across_processes_and_hash_seeds():
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         from vllm_hicache.keys import KeyNamespace
         ns = KeyNamespace("org/model", "bfloat16", "page_first", 32, 2, 1, pp_size=2,
                           pp_rank=1, page_format="x", model_version="v", weights_fingerprint="f")

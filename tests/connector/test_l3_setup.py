@@ -11,9 +11,11 @@ from tests.connector import mem_backend
 from tests.kernels.kv_factory import make_kv_layers
 from vllm_hicache.connector.geometry import KVGeometry
 from vllm_hicache.connector.l3_canary import DisabledPageStore
+from vllm_hicache.connector.l3_identity import (
+    expected_page_format, pool_page_format, weights_fingerprint,
+)
 from vllm_hicache.connector.l3_setup import (
-    build_planner, check_shareable_hashes, checked_page_store, expected_page_format, namespace,
-    pool_page_format, weights_fingerprint,
+    build_planner, check_shareable_hashes, checked_page_store, namespace,
 )
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor
@@ -23,6 +25,7 @@ from vllm_hicache.storage.pages import PageStore
 
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD = 2, 4, 2, 8, 8
 LOGGER = "vllm_hicache.connector.l3_setup"
+IDENTITY_LOGGER = "vllm_hicache.connector.l3_identity"
 
 
 def fake_config(algo="sha256", pp=1, tp=1, model="org/model", revision=None,
@@ -184,7 +187,7 @@ def test_model_version_is_validated(value, match):
 
 def test_hub_id_is_identified_by_name_and_revision(caplog):
     geom = geometry()
-    with caplog.at_level(logging.INFO, logger=LOGGER):
+    with caplog.at_level(logging.INFO, logger=IDENTITY_LOGGER):
         ns = namespace(make_config(), geom, fake_config(model="org/not-a-dir"), 0, log=True)
     assert ns.weights_fingerprint == "" and ns.model == "org/not-a-dir"
     assert "name and revision only" in caplog.text and "model_version" in caplog.text
@@ -195,7 +198,7 @@ def test_hub_id_is_identified_by_name_and_revision(caplog):
 
 def test_directory_without_weight_files_warns(tmp_path, caplog):
     (tmp_path / "config.json").write_text("{}")
-    with caplog.at_level(logging.INFO, logger=LOGGER):
+    with caplog.at_level(logging.INFO, logger=IDENTITY_LOGGER):
         namespace(make_config(), geometry(), fake_config(model=tmp_path), 0, log=True)
     assert "name and revision only" in caplog.text
 

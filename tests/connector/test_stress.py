@@ -25,7 +25,6 @@ import uuid
 import pytest
 from vllm.v1.request import RequestStatus
 
-from tests.connector import mem_backend
 from tests.connector.harness import BLOCK, make_harness
 from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
 from vllm_hicache.policy import EVICTION_POLICIES
