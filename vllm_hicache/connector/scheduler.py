@@ -339,7 +339,13 @@ class HiCacheScheduler:
     def _plan_write_backs(self) -> None:
         if self._write_back is not None:
             self._evict_pairs += self._write_back.plan(
-                self.tree, self._alloc_protecting, self._pin_write_back)
+                self.tree, self._alloc_write_back, self._pin_write_back)
+
+    def _alloc_write_back(self, chain, num_matched: int, num_pages: int) -> list[int] | None:
+        pages = self._alloc_protecting(chain, num_matched, num_pages)
+        if pages is None:  # every page pinned: this block is simply not kept
+            self.stats.record_store_skipped(num_pages)
+        return pages
 
     def _pin_write_back(self, chain, page: int) -> None:
         self._evict_ops.append(
