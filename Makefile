@@ -54,6 +54,7 @@ soak: $(STAMP) $(MODEL)/.complete
 
 bench: $(STAMP) $(MODEL)/.complete
 	$(PY) benchmarks/bench_copy.py
+	$(PY) benchmarks/bench_tree.py
 	$(PY) benchmarks/bench_scheduler.py --model $(MODEL)
 	$(PY) benchmarks/bench_l3_file.py
 	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_redis.py

@@ -15,6 +15,9 @@ import random
 
 import pytest
 
+from vllm_hicache.index import HiRadixTree
+from vllm_hicache.policy import make_eviction_policy
+
 NUM_PAGES = 40
 OPS_PER_SEED = 2000
 # Small alphabet and short chains: many shared prefixes, splits and re-inserts.
@@ -228,3 +231,43 @@ def test_random_ops_agree_with_model(make_kit, seed: int, policy: str) -> None:
     kit.tree.free(model.held)
     kit.tree.check_integrity()
     assert kit.tree.num_free_pages == NUM_PAGES
+
+
+class FullSortTree(HiRadixTree):
+    """Eviction as it was before the incremental heap: every unpinned leaf
+    sorted by (policy key, node id) at the moment of eviction."""
+
+    def evict(self, num_pages: int) -> int:
+        self._rebuild_heap()
+        return super().evict(num_pages)
+
+
+def run_logged(make_kit, tree_cls, seed: int, policy: str) -> list:
+    """Seeded random operations; returns everything the tree reported."""
+    rng = random.Random(seed)
+    kit = make_kit(num_pages=NUM_PAGES, policy=policy)
+    kit.tree = tree_cls(NUM_PAGES, make_eviction_policy(policy), kit.clock)
+    model = Model(kit, rng)
+    log: list = []
+    checked_on_evict = model.on_evict
+
+    def on_evict(hashes):
+        log.append(("evicted", list(hashes)))
+        checked_on_evict(hashes)
+
+    kit.tree._on_evict = on_evict
+    names, weights = list(WEIGHTS), list(WEIGHTS.values())
+    for _ in range(OPS_PER_SEED):
+        name = rng.choices(names, weights)[0]
+        getattr(model, f"op_{name}")()
+        log.append((name, sorted(model.held), kit.tree.num_free_pages))
+    return log
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "mru", "filo", "priority"])
+def test_incremental_eviction_order_equals_a_full_sort(make_kit, seed: int, policy: str) -> None:
+    incremental = run_logged(make_kit, HiRadixTree, seed, policy)
+    full_sort = run_logged(make_kit, FullSortTree, seed, policy)
+    assert sum(1 for entry in incremental if entry[0] == "evicted") > 20
+    assert incremental == full_sort

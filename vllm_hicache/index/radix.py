@@ -129,6 +129,8 @@ class HiRadixTree(TreePages):
             node.hit_count += 1
             if priority > node.priority:
                 node.priority = priority
+        if nodes:
+            self._offer(nodes[-1])  # only a leaf's key matters, and only the last can be one
 
     # --- locks ----------------------------------------------------------
 
@@ -171,6 +173,7 @@ class HiRadixTree(TreePages):
             if node.lock_ref == 0:
                 if node.pages is not None:
                     self._num_locked_pages -= len(node.pages)
+                self._offer(node)  # an unpinned leaf is a candidate again
                 if node in self._orphans:
                     released_orphans.append(node)
                 elif (prune is None and not node.orphaned and node.pages is None
@@ -204,7 +207,7 @@ class HiRadixTree(TreePages):
         self._orphan(node)  # keeps node.parent while pinned: unlock walks through it
         if parent is not self._root and not parent.children:
             if parent.pages is not None:
-                self._leaves.add(parent)
+                self._add_leaf(parent)
             elif parent.lock_ref == 0:
                 self._detach(parent)
         return num_pages
@@ -259,6 +262,7 @@ class HiRadixTree(TreePages):
             child.last_access_time = now
             child.priority = max(child.priority, priority)
             node, i = child, i + m
+        self._offer(node)  # the deepest node walked: the only one that can be a leaf
         return unused
 
     def _check_insertable(self, pages: Sequence[int | None]) -> None:
@@ -296,4 +300,4 @@ class HiRadixTree(TreePages):
             child = RadixNode(node, list(hashes[i : i + m]), run, now, priority)
             node.children[child.key[0]] = child
             node, i = child, i + m
-        self._leaves.add(node)
+        self._add_leaf(node)

@@ -4,6 +4,15 @@ Owns the root, the free-page stack, the set of host-backed leaves and the page
 counters, and every mutation that moves pages into or out of nodes: fill,
 alloc/free, evict (leaf-first, policy order, tail trimming) and clear. The
 lookup/insert/lock half lives in radix.py. Pure module.
+
+Eviction order is kept incrementally, so evicting costs O(log n) per node
+whatever L2's size: a heap of (policy key, node id, node) entries, one pushed
+whenever a leaf appears, is unpinned, or has its statistics changed
+(``_offer``). Entries are never updated in place: a popped entry whose node is
+no longer an unpinned leaf, or whose key is no longer the node's current key,
+is stale and skipped; when stale entries outnumber live candidates the heap
+is rebuilt. The order is exactly that of sorting the unpinned leaves by
+(key, node id) at the moment of eviction.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ class TreePages:
         self._root = RadixNode(None, [], [], clock())
         # Host-backed non-root nodes without children: the eviction candidates.
         self._leaves: set[RadixNode] = set()
+        # Candidates in policy order, with stale entries (see module doc).
+        self._heap: list[tuple[object, int, RadixNode]] = []
         # Tops of subtrees cut off by ``invalidate`` while pinned (see node.py).
         self._orphans: set[RadixNode] = set()
         self._num_cached_pages = 0
@@ -109,36 +120,54 @@ class TreePages:
             self._num_locked_pages += len(node.pages)
         node.creation_time = now
         if not node.children:  # a locked placeholder whose children were evicted
-            self._leaves.add(node)
+            self._add_leaf(node)
 
     # --- eviction -------------------------------------------------------
 
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` pages from unlocked leaves; return how many.
 
-        Leaves leave in policy order (smallest key first); a parent that
-        becomes a leaf joins the heap. The last leaf is trimmed from its tail
-        so no more than ``num_pages`` are freed.
+        Leaves leave in policy order (smallest key first, then oldest node);
+        a parent that becomes a leaf is a candidate at once. The last leaf is
+        trimmed from its tail so no more than ``num_pages`` are freed.
         """
         if num_pages <= 0:
             return 0
         key = self.policy.priority
-        heap = [(key(n), n.id, n) for n in self._leaves if n.lock_ref == 0]
-        heapq.heapify(heap)
+        heap = self._heap
         freed, hashes = 0, []
         while freed < num_pages and heap:
-            node = heapq.heappop(heap)[2]
+            entry = heapq.heappop(heap)
+            node = entry[2]
+            if node.lock_ref or node not in self._leaves or key(node) != entry[0]:
+                continue  # stale: pinned, gone, or re-offered with a new key
             need = num_pages - freed
             if len(node.pages) > need:  # type: ignore[arg-type]
                 freed += self._trim_tail(node, need, hashes)
+                heapq.heappush(heap, entry)  # still a leaf, same key
                 break
             freed += self._drop_pages(node, hashes)
-            exposed = self._detach(node)
-            if exposed is not None and exposed.lock_ref == 0:
-                heapq.heappush(heap, (key(exposed), exposed.id, exposed))
+            self._detach(node)  # an exposed parent is offered there
         if hashes and self._on_evict is not None:
             self._on_evict(hashes)
         return freed
+
+    def _add_leaf(self, node: RadixNode) -> None:
+        self._leaves.add(node)
+        self._offer(node)
+
+    def _offer(self, node: RadixNode) -> None:
+        """``node`` became a leaf, was unpinned, or its statistics changed."""
+        if node.lock_ref or node not in self._leaves:
+            return  # offered again when it is unpinned or becomes a leaf
+        heapq.heappush(self._heap, (self.policy.priority(node), node.id, node))
+        if len(self._heap) > 2 * len(self._leaves) + 64:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        key = self.policy.priority
+        self._heap = [(key(n), n.id, n) for n in self._leaves if n.lock_ref == 0]
+        heapq.heapify(self._heap)
 
     def _trim_tail(self, node: RadixNode, num_blocks: int, hashes: list[bytes]) -> int:
         pages = node.pages
@@ -173,7 +202,7 @@ class TreePages:
             if parent is self._root or parent.children:
                 return None
             if parent.pages is not None:
-                self._leaves.add(parent)
+                self._add_leaf(parent)
                 return parent
             if parent.lock_ref:  # pruned later, by unlock
                 return None
@@ -196,6 +225,7 @@ class TreePages:
                 self._leaves.add(node)
         self._free.push(freed)
         self._num_cached_pages -= len(freed)
+        self._rebuild_heap()
 
     def _orphan(self, top: RadixNode) -> None:
         """Cut ``top``'s subtree out of the index (it is already unlinked).
