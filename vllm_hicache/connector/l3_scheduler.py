@@ -18,8 +18,10 @@ stall a request), timeout until it ends or its deadline passes.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -70,6 +72,11 @@ class StoragePlanner:
         self.threshold_blocks = max(1, -(-cfg.prefetch_threshold // block_size))
         self._executor = DaemonPool(1, "hicache-l3-lookup")
         self._lookups: dict[str, _Lookup] = {}
+        # Kept by the lookups' completion callbacks (the lookup thread), so a
+        # new request or a step costs O(1), not a scan of every lookup.
+        self._pending_lock = threading.Lock()
+        self._num_pending_lookups = 0
+        self._finished_lookups: collections.deque[tuple[str, _Lookup]] = collections.deque()
         self._ops: dict[int, _Op] = {}
         self._inflight_pages = 0
         self._backups: dict[int, PageOp] = {}
@@ -85,7 +92,7 @@ class StoragePlanner:
         """Look up blocks [start, len(chain)) of a new request in L3."""
         if len(chain) - start < self.threshold_blocks:
             return
-        if self._pending_lookups() >= MAX_PENDING_LOOKUPS:
+        if self._num_pending_lookups >= MAX_PENDING_LOOKUPS:
             # A slow or dead store must not build an unbounded backlog: the
             # request simply gets no L3 hit.
             self.skipped_lookups += 1
@@ -96,8 +103,17 @@ class StoragePlanner:
         wait_s = (self.cfg.prefetch_timeout_s(tokens) if self.cfg.prefetch_policy == "timeout"
                   else self.cfg.prefetch_timeout_max)
         lookup = _Lookup(chain, start, time.monotonic() + wait_s)
+        with self._pending_lock:
+            self._num_pending_lookups += 1
         lookup.future = self._executor.submit(self._exists, chain[start:])
         self._lookups[req_id] = lookup
+        lookup.future.add_done_callback(lambda _: self._lookup_done(req_id, lookup))
+
+    def _lookup_done(self, req_id: str, lookup: _Lookup) -> None:
+        """Completion callback (lookup thread, or here if already done)."""
+        with self._pending_lock:
+            self._num_pending_lookups -= 1
+        self._finished_lookups.append((req_id, lookup))
 
     def _exists(self, hashes: tuple[bytes, ...]) -> int:
         hit = len(hashes)
@@ -126,9 +142,6 @@ class StoragePlanner:
             logger.warning("HiCache L3 lookup failed, counted as a miss: %r", exc)
             return 0
 
-    def _pending_lookups(self) -> int:
-        return sum(1 for x in self._lookups.values() if not x.future.done())
-
     def forget(self, req_id: str) -> None:
         lookup = self._lookups.pop(req_id, None)
         if lookup is not None:
@@ -137,9 +150,14 @@ class StoragePlanner:
     # --- per step ------------------------------------------------------------
 
     def plan_prefetches(self, tree: HiRadixTree, alloc) -> list[PrefetchJob]:
+        """Prefetch ops for the lookups that finished since the last step
+        (each is considered once, as it finishes)."""
         jobs = []
-        for lookup in self._lookups.values():
-            if lookup.op is None and not lookup.done and lookup.future.done():
+        while self._finished_lookups:
+            req_id, lookup = self._finished_lookups.popleft()
+            if self._lookups.get(req_id) is not lookup:
+                continue  # its request is gone
+            if lookup.op is None and not lookup.done:
                 job = self._start_op(lookup, tree, alloc)
                 if job is not None:
                     jobs.append(job)
