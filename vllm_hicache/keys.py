@@ -28,6 +28,7 @@ Pure module: no torch, no vllm.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -95,9 +96,10 @@ class KeyNamespace:
                 f"pp_rank={self.pp_rank} of pp_size={self.pp_size}"
             )
 
-    @property
+    @functools.cached_property
     def tag(self) -> str:
-        """Filename-safe prefix of every key in this namespace."""
+        """Filename-safe prefix of every key in this namespace (computed once:
+        it is asked for on every L3 lookup and batch)."""
         # JSON, not "|".join: free-form strings (model_version, paths) must
         # not be able to imitate another field list.
         ident = json.dumps([

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from types import SimpleNamespace
@@ -113,7 +114,7 @@ def make_store():
         name = f"canary-{uuid.uuid4().hex}"
         names.append(name)
         ctx = StorageContext("worker", 0, 1, HEADER_BYTES + pool.bytes_per_page)
-        ns = KeyNamespace(**{**ns.__dict__, "mem_layout": mem_layout})
+        ns = dataclasses.replace(ns, mem_layout=mem_layout)
         return PageStore(backend_cls({"store": name}, ctx), pool, ns)
 
     yield make

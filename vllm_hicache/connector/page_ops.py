@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from vllm_hicache.index import HiRadixTree, LockHandle
@@ -72,7 +72,7 @@ class PageOp:
     req_id: str | None = None
     # Loads: the vLLM blocks filled, aligned with ranges[0].pages.
     l1_blocks: tuple[int, ...] = ()
-    closed: bool = field(default=False)
+    closed: bool = False
 
     @property
     def pages(self) -> Iterator[int]:
