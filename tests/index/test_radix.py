@@ -63,7 +63,34 @@ def test_insert_extends_a_leaf(kit) -> None:
     a = kit.put(kit.chain([1, 2]))
     b = kit.put(kit.chain([1, 2, 3]), [False, False, True])
     assert kit.tree.match(kit.chain([1, 2, 3])).pages == a + b[2:]
-    assert kit.num_nodes() == 2
+    assert kit.num_nodes() == 1  # grown in place: a chain stored in pieces is one node
+    kit.tree.check_integrity()
+
+
+def test_extended_leaf_pinned_by_an_earlier_lock(kit) -> None:
+    hashes = kit.chain([1, 2, 3, 4])
+    kit.put(hashes[:2])
+    handle = kit.tree.lock(hashes, 2)
+    kit.put(hashes, [False, False, True, True])
+    # The pin holds the whole node, new pages included, until it is released.
+    assert kit.tree.num_locked_pages == 4
+    assert kit.tree.evict(4) == 0
+    kit.tree.check_integrity()
+    kit.tree.unlock(handle)
+    assert kit.tree.num_locked_pages == 0
+    assert kit.tree.evict(1) == 1  # from the tail
+    assert kit.tree.match(hashes).num_blocks == 3
+    kit.tree.check_integrity()
+
+
+def test_extension_after_a_placeholder_gap_branches(kit) -> None:
+    hashes = kit.chain([1, 2, 3, 4])
+    kit.put(hashes[:1])
+    kit.put(hashes, [False, True, False, True])
+    pages = kit.tree.match(hashes).pages
+    assert pages[2] is None and None not in (pages[0], pages[1], pages[3])
+    assert kit.num_nodes() == 3  # [1, 2] grown in place, placeholder [3], leaf [4]
+    kit.tree.check_integrity()
 
 
 def test_placeholders_created_then_filled(kit) -> None:
@@ -177,14 +204,15 @@ def test_alloc_evicts_leaf_first_and_trims_the_tail(make_kit) -> None:
     kit.clock.now = 1.0
     tail = kit.put(hashes, [False, False, True, True])
     kit.clock.now = 2.0
-    kit.tree.touch(hashes, 2)  # the head is now the more recent, but not a leaf
+    kit.tree.touch(hashes, 2)  # a use of the head is a use of the node it is in
     pages = kit.tree.alloc(1)
     assert pages == tail[3:]  # block 3's page, trimmed off the leaf's tail
     assert kit.evicted == hashes[3:]
     assert kit.tree.match(hashes).pages == [0, 1, 2]
     kit.tree.free(pages)
-    assert kit.tree.evict(2) == 2  # the rest of the leaf, then nothing more
-    assert kit.evicted == hashes[3:] + hashes[2:3] + hashes[1:2]
+    assert kit.tree.evict(2) == 2  # two more off the tail, block 0 stays
+    assert kit.evicted == hashes[3:] + hashes[1:3]
+    assert kit.tree.match(hashes).pages == [0]
     kit.tree.check_integrity()
 
 
@@ -247,8 +275,10 @@ def test_policy_orders_eviction(make_kit, policy: str, expected: str) -> None:
 
 def test_clear_keeps_locked_paths(kit) -> None:
     locked = kit.chain([1, 2, 3])
+    # The child first (its parent a placeholder, then filled), so it stays a
+    # separate node: an unlocked child of a locked node.
+    kit.put(kit.chain([1, 2, 3, 4]), [False] * 3 + [True])
     kept = kit.put(locked)
-    kit.put(kit.chain([1, 2, 3, 4]), [False] * 3 + [True])  # unlocked child of a locked node
     kit.put(kit.chain([5, 6]))
     pending = kit.tree.alloc(2)  # allocated, not inserted: untouched by clear
     handle = kit.tree.lock(locked, 3)
@@ -304,3 +334,15 @@ def test_alloc_up_to_never_takes_pinned_pages(kit):
     tree.free(got)
     tree.unlock(lock)
     tree.check_integrity()
+
+
+@pytest.mark.parametrize("policy,grows", [("fifo", False), ("filo", False), ("lru", True)])
+def test_touch_queues_a_new_key_only_when_the_policy_reads_use(make_kit, policy, grows) -> None:
+    kit = make_kit(num_pages=16, policy=policy)
+    hashes = kit.chain([1, 2])
+    kit.put(hashes)
+    before = len(kit.tree._heap)
+    for t in range(5):
+        kit.clock.now = float(t + 1)
+        kit.tree.touch(hashes, 2)
+    assert (len(kit.tree._heap) > before) is grows

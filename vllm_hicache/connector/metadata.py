@@ -18,7 +18,9 @@ Everything here must pickle: it crosses from EngineCore to the workers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -111,8 +113,15 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
-def merge_copies(pairs: list[tuple[int, int]]) -> BlockCopy:
-    """Build a BlockCopy from (block id, page id) pairs."""
+class BlockPage(NamedTuple):
+    """One block to copy between its L1 block and its L2 page."""
+
+    block_id: int
+    page: int
+
+
+def merge_copies(pairs: Sequence[BlockPage]) -> BlockCopy:
+    """One BlockCopy for a step's block/page pairs."""
     if not pairs:
         return BlockCopy()
     blocks, pages = zip(*pairs)

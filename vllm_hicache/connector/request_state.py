@@ -20,14 +20,14 @@ class ReqState:
     num_planned: int = 0
 
 
-def track_scheduled(reqs: dict[str, ReqState], so: SchedulerOutput) -> None:
+def track_scheduled(reqs: dict[str, ReqState], scheduler_output: SchedulerOutput) -> None:
     """Follow each request's block table and computed tokens from a step's output."""
-    for new in so.scheduled_new_reqs:
+    for new in scheduler_output.scheduled_new_reqs:
         state = reqs.get(new.req_id)
         if state is not None:
             state.block_ids = list(new.block_ids[0])
             state.num_computed_tokens = new.num_computed_tokens
-    cached = so.scheduled_cached_reqs
+    cached = scheduler_output.scheduled_cached_reqs
     for i, req_id in enumerate(cached.req_ids):
         state = reqs.get(req_id)
         if state is None:

@@ -33,11 +33,13 @@ from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.inflight import InflightLoads
 from vllm_hicache.connector.l3_scheduler import StoragePlanner
-from vllm_hicache.connector.metadata import BlockCopy, HiCacheMetadata, LoadJob, merge_copies
+from vllm_hicache.connector.metadata import (
+    BlockCopy, BlockPage, HiCacheMetadata, LoadJob, merge_copies,
+)
 from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.connector.request_state import ReqState, track_scheduled
 from vllm_hicache.connector.stats import HiCacheStats
-from vllm_hicache.connector.write_back import WriteBackWatcher
+from vllm_hicache.connector.write_back import WriteBackCopy, WriteBackWatcher
 from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import loadable_block_limit
@@ -88,7 +90,7 @@ class HiCacheScheduler:
         self._step_async_loads: list[LoadJob] = []
         self._inflight = InflightLoads()
         self._write_back: WriteBackWatcher | None = None
-        self._evict_pairs: list[tuple[int, int, list[bytes]]] = []
+        self._evict_copies: list[WriteBackCopy] = []
         # STORE ops of the write-backs in _evict_pairs, not yet emitted.
         self._evict_ops: list[PageOp] = []
         # L3 tier (set by the connector when a storage backend is configured).
@@ -161,15 +163,15 @@ class HiCacheScheduler:
 
     # --- per step --------------------------------------------------------
 
-    def build_connector_meta(self, so: SchedulerOutput) -> HiCacheMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HiCacheMetadata:
         # Building step N acknowledges step N-1 (see page_ops.py).
         self.ops.close_step(self._step)
-        track_scheduled(self._reqs, so)
+        track_scheduled(self._reqs, scheduler_output)
         self._plan_write_backs()
-        evict, self._evict_pairs, self._evict_ops = self._evict_pairs, [], []
-        store_pairs = self._advance_requests(so)
+        evict, self._evict_copies, self._evict_ops = self._evict_copies, [], []
+        store_pairs = self._advance_requests(scheduler_output)
         meta = HiCacheMetadata(
-            evict_stores=merge_copies([(block, page) for block, page, _ in evict]),
+            evict_stores=merge_copies([BlockPage(c.block_id, c.page) for c in evict]),
             loads=self._step_loads,
             async_loads=self._step_async_loads,
             stores=merge_copies(store_pairs),
@@ -192,12 +194,18 @@ class HiCacheScheduler:
             len(state.block_ids),
         )
 
-    def _advance_requests(self, so: SchedulerOutput) -> list[tuple[int, int]]:
+    def _advance_requests(self, scheduler_output: SchedulerOutput) -> list[BlockPage]:
         """Store (or, under write-back, just remember) newly computed blocks."""
-        pairs: list[tuple[int, int]] = []
-        for req_id, num_scheduled in so.num_scheduled_tokens.items():
+        pairs: list[BlockPage] = []
+        block_size = self.block_size
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._reqs.get(req_id)
             if state is None:
+                continue
+            planned_end = state.num_planned * block_size
+            computed = state.num_computed_tokens
+            if computed >= planned_end and computed + num_scheduled < planned_end + block_size:
+                # Most decode steps: no block completed, none recomputed.
                 continue
             # Blocks vLLM recomputes (a failed load, a preemption) are
             # considered again: their pages may have left L2 meanwhile.
@@ -212,7 +220,7 @@ class HiCacheScheduler:
             state.num_planned = hi
         return pairs
 
-    def _store_range(self, state: ReqState, lo: int, hi: int) -> list[tuple[int, int]]:
+    def _store_range(self, state: ReqState, lo: int, hi: int) -> list[BlockPage]:
         hashes = state.request.block_hashes[:hi]
         self.write_policy.record_use(hashes[lo:hi])
         matched = self.tree.match(hashes).pages
@@ -232,7 +240,7 @@ class HiCacheScheduler:
                 return []
         self._insert_pinned(OpKind.STORE, hashes[: want[-1] + 1], want, pages,
                             state.request.priority)
-        return [(state.block_ids[i], page) for i, page in zip(want, pages)]
+        return [BlockPage(state.block_ids[i], page) for i, page in zip(want, pages)]
 
     def _insert_pinned(self, kind: OpKind, chain, blocks: list[int], pages: list[int],
                        priority: int) -> PageOp:
@@ -338,7 +346,7 @@ class HiCacheScheduler:
 
     def _plan_write_backs(self) -> None:
         if self._write_back is not None:
-            self._evict_pairs += self._write_back.plan(
+            self._evict_copies += self._write_back.plan(
                 self.tree, self._alloc_write_back, self._pin_write_back)
 
     def _alloc_write_back(self, chain, num_matched: int, num_pages: int) -> list[int] | None:

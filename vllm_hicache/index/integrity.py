@@ -109,7 +109,7 @@ def check_index(
 ) -> None:
     """Raise RuntimeError listing every broken invariant (see radix.py)."""
     problems: list[str] = []
-    if root.key or root.pages != [] or root.parent is not None or root.lock_ref:
+    if root.key or len(root.pages) or root.parent is not None or root.lock_ref:
         problems.append(f"bad root {root}")
     nodes = _walk(root, leaves, problems)
     if len(leaves) > sum(1 for n in nodes if n in leaves):

@@ -1,6 +1,8 @@
 """Radix-tree node, lock handle and match result of the L2 index.
 
-A node holds a run of consecutive blocks. ``pages is None`` marks a
+A node holds a run of consecutive blocks. Its pages are an ``array('q')``
+(``page_run``): 8 bytes a page, and nothing for the garbage collector to
+scan, where a list would add an int object per page. ``pages is None`` marks a
 placeholder: its blocks lie on the path to host-backed descendants but have
 no L2 page (for example they are still only in vLLM's GPU cache). A node is
 entirely host-backed or entirely a placeholder. Pure module.
@@ -9,10 +11,22 @@ entirely host-backed or entirely a placeholder. Pure module.
 from __future__ import annotations
 
 import itertools
+from array import array
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 # Creation order; breaks ties between equal policy keys deterministically.
 _node_ids = itertools.count()
+# The children of every leaf until it gets one: most nodes are leaves, and an
+# empty dict each would cost 64 bytes and one more object for the collector.
+# Read-only, so a write that bypasses ``adopt`` fails loudly.
+NO_CHILDREN: Mapping[bytes, RadixNode] = MappingProxyType({})
+
+
+def page_run(pages: Iterable[int]) -> array:
+    """Pages of one node, in block order."""
+    return array("q", pages)
 
 
 class RadixNode:
@@ -27,14 +41,14 @@ class RadixNode:
         self,
         parent: RadixNode | None,
         key: list[bytes],
-        pages: list[int] | None,
+        pages: array | None,
         now: float,
         priority: int = 0,
     ) -> None:
         self.id = next(_node_ids)
         self.parent = parent
-        # first block hash of the child's run -> child
-        self.children: dict[bytes, RadixNode] = {}
+        # first block hash of the child's run -> child (add with ``adopt``)
+        self.children: Mapping[bytes, RadixNode] = NO_CHILDREN
         self.key = key
         self.pages = pages
         self.lock_ref = 0
@@ -45,6 +59,12 @@ class RadixNode:
         # Cut off by ``invalidate`` while pinned: unreachable from the root,
         # its pages are freed when the last pin on it is released.
         self.orphaned = False
+
+    def adopt(self, child: RadixNode) -> None:
+        """Make ``child`` (whose parent is already ``self``) reachable."""
+        if self.children is NO_CHILDREN:
+            self.children = {}
+        self.children[child.key[0]] = child  # type: ignore[index]
 
     def split(self, num_blocks: int) -> RadixNode:
         """Cut the first ``num_blocks`` blocks off into a new parent; return it.
@@ -65,13 +85,13 @@ class RadixNode:
         head.priority = self.priority
         head.last_access_time = self.last_access_time
         self.key = self.key[num_blocks:]
-        parent.children[head.key[0]] = head
-        head.children[self.key[0]] = self
+        parent.adopt(head)
+        head.adopt(self)
         self.parent = head
         return head
 
     def __repr__(self) -> str:
-        kind = "placeholder" if self.pages is None else f"pages={self.pages}"
+        kind = "placeholder" if self.pages is None else f"pages={self.pages.tolist()}"
         orphan = ", orphaned" if self.orphaned else ""
         return (f"RadixNode(id={self.id}, blocks={len(self.key)}, {kind}, "
                 f"lock_ref={self.lock_ref}{orphan})")

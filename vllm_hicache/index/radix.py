@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from vllm_hicache.index.node import LockHandle, MatchResult, PinnedPages, RadixNode
+from vllm_hicache.index.node import LockHandle, MatchResult, PinnedPages, RadixNode, page_run
 from vllm_hicache.index.tree_pages import TreePages
 from vllm_hicache.policy.eviction import EvictionPolicy
 
@@ -129,7 +129,7 @@ class HiRadixTree(TreePages):
             node.hit_count += 1
             if priority > node.priority:
                 node.priority = priority
-        if nodes:
+        if nodes and self.policy.keyed_by_use:
             self._offer(nodes[-1])  # only a leaf's key matters, and only the last can be one
 
     # --- locks ----------------------------------------------------------
@@ -202,7 +202,7 @@ class HiRadixTree(TreePages):
             node.split(offset)  # ``node`` keeps the tail that starts at ``block``
         parent = node.parent
         assert parent is not None
-        del parent.children[node.key[0]]
+        del parent.children[node.key[0]]  # type: ignore[attr-defined]
         num_pages = _subtree_pages(node)
         self._orphan(node)  # keeps node.parent while pinned: unlock walks through it
         if parent is not self._root and not parent.children:
@@ -248,14 +248,18 @@ class HiRadixTree(TreePages):
             child = node.children.get(hashes[i])
             if child is None:
                 self._add_chain(node, hashes, pages, i, now, priority)
-                break
+                return unused  # it offered the leaf it made or grew
             m = _common_len(child.key, hashes, i, num_blocks)
             if child.pages is None:
                 m = _same_kind_run(pages, i, i + m)
             if m < len(child.key):
                 child = child.split(m)
             if child.pages is not None:
-                unused.extend(p for p in pages[i : i + m] if p is not None)
+                given = pages[i : i + m]
+                # count() runs in C: a long matched prefix with no pages
+                # given (the usual store) costs no Python loop.
+                if given.count(None) != m:
+                    unused.extend(p for p in given if p is not None)
                 child.hit_count += 1
             elif pages[i] is not None:
                 self._fill(child, pages[i : i + m], now)
@@ -266,8 +270,12 @@ class HiRadixTree(TreePages):
         return unused
 
     def _check_insertable(self, pages: Sequence[int | None]) -> None:
-        given = [p for p in pages if p is not None]
-        if len(set(given)) != len(given) or not self._free.allocated.issuperset(given):
+        # Set operations and count() run in C: a long chain of None (blocks
+        # the caller does not store) costs no Python loop.
+        given = set(pages)
+        given.discard(None)
+        num_given = len(pages) - pages.count(None)
+        if len(given) != num_given or not self._free.allocated.issuperset(given):
             bad = sorted(p for p in given if p not in self._free.allocated)
             raise ValueError(
                 f"insert() pages must be distinct and allocated; not allocated: {bad}"
@@ -282,22 +290,50 @@ class HiRadixTree(TreePages):
         now: float,
         priority: int,
     ) -> None:
-        """New nodes for blocks [start, len(pages)) below ``parent``."""
+        """New nodes for blocks [start, len(pages)) below ``parent``.
+
+        A host-backed leaf grows in place instead: a chain stored piece by
+        piece (chunked prefill, one block per decode step) stays one node, so
+        later walks cost one step per branch point, not one per piece.
+        """
         stop = len(pages)
         while stop > start and pages[stop - 1] is None:
             stop -= 1
         if stop == start:
+            self._offer(parent)  # walked through: its statistics changed
             return
-        self._leaves.discard(parent)
         node, i = parent, start
+        if parent is not self._root and parent.pages is not None and not parent.children \
+                and pages[start] is not None:
+            i += self._extend_leaf(parent, hashes, pages, start, stop)
+            if i == stop:
+                self._offer(parent)  # still a leaf, with new pages and statistics
+                return
+        self._leaves.discard(parent)
         while i < stop:
             m = _same_kind_run(pages, i, stop)
-            run: list[int] | None = None
+            run = None
             if pages[i] is not None:
-                run = list(pages[i : i + m])  # type: ignore[arg-type]
+                run = page_run(pages[i : i + m])  # type: ignore[arg-type]
                 self._free.claim(run)
                 self._num_cached_pages += m
             child = RadixNode(node, list(hashes[i : i + m]), run, now, priority)
-            node.children[child.key[0]] = child
+            node.adopt(child)
             node, i = child, i + m
         self._add_leaf(node)
+
+    def _extend_leaf(self, leaf: RadixNode, hashes: Sequence[bytes],
+                     pages: Sequence[int | None], start: int, stop: int) -> int:
+        """Append the host-backed run at ``start`` to ``leaf``; return its length.
+
+        A pin on the leaf covers the new pages too (pins hold whole nodes).
+        """
+        m = _same_kind_run(pages, start, stop)
+        run: list[int] = list(pages[start : start + m])  # type: ignore[arg-type]
+        self._free.claim(run)
+        leaf.key.extend(hashes[start : start + m])
+        leaf.pages.extend(run)  # type: ignore[union-attr]
+        self._num_cached_pages += m
+        if leaf.lock_ref:
+            self._num_locked_pages += m
+        return m

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from vllm_hicache.index.free_pages import FreePages
 from vllm_hicache.index.integrity import check_index
-from vllm_hicache.index.node import RadixNode
+from vllm_hicache.index.node import RadixNode, page_run
 from vllm_hicache.policy.eviction import EvictionPolicy
 
 
@@ -45,7 +45,7 @@ class TreePages:
         self._free = FreePages(num_pages)
         # The root is host-backed with no blocks, so it never looks like a
         # placeholder; it is never locked, evicted or a member of _leaves.
-        self._root = RadixNode(None, [], [], clock())
+        self._root = RadixNode(None, [], page_run(()), clock())
         # Host-backed non-root nodes without children: the eviction candidates.
         self._leaves: set[RadixNode] = set()
         # Candidates in policy order, with stale entries (see module doc).
@@ -113,7 +113,7 @@ class TreePages:
 
     def _fill(self, node: RadixNode, pages: Sequence[int | None], now: float) -> None:
         """A placeholder's blocks got pages: it becomes host-backed."""
-        node.pages = list(pages)  # type: ignore[arg-type]
+        node.pages = page_run(pages)  # type: ignore[arg-type]
         self._free.claim(node.pages)
         self._num_cached_pages += len(node.pages)
         if node.lock_ref:
@@ -197,7 +197,7 @@ class TreePages:
         while True:
             parent = node.parent
             assert parent is not None and not node.children, node
-            del parent.children[node.key[0]]
+            del parent.children[node.key[0]]  # type: ignore[attr-defined]
             node.parent = None
             if parent is self._root or parent.children:
                 return None
@@ -219,7 +219,7 @@ class TreePages:
                 if child.lock_ref:
                     stack.append(child)
                 else:
-                    del node.children[child.key[0]]
+                    del node.children[child.key[0]]  # type: ignore[attr-defined]
                     self._drop_subtree(child, freed)
             if node is not self._root and not node.children and node.pages is not None:
                 self._leaves.add(node)

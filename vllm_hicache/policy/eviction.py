@@ -41,6 +41,10 @@ class EvictionPolicy(ABC):
     leaf per eviction round, so it should be a cheap attribute read.
     """
 
+    # Does the key change when a node is used (``touch``)? If not, the tree
+    # does not re-offer a touched leaf: its queued key is still right.
+    keyed_by_use: bool = True
+
     @abstractmethod
     def priority(self, node: EvictableNode) -> SortKey:
         """Sort key of ``node``: the leaf with the smallest key goes first."""
@@ -60,6 +64,8 @@ class LFUPolicy(EvictionPolicy):
 
 
 class FIFOPolicy(EvictionPolicy):
+    keyed_by_use = False
+
     @override
     def priority(self, node: EvictableNode) -> SortKey:
         return node.creation_time
@@ -72,6 +78,8 @@ class MRUPolicy(EvictionPolicy):
 
 
 class FILOPolicy(EvictionPolicy):
+    keyed_by_use = False
+
     @override
     def priority(self, node: EvictableNode) -> SortKey:
         return -node.creation_time
