@@ -90,7 +90,7 @@ def test_incompatible_pairs_rewritten_with_one_warning(caplog, layout, io, want_
 def test_kernel_without_cuda_falls_back_to_direct(caplog):
     cfg = make_config(hicache_mem_layout="page_first")
     with caplog.at_level(logging.WARNING, logger="vllm_hicache.config"):
-        resolved = resolve_conflicts(cfg, cuda_available=False)
+        resolved = resolve_conflicts(cfg, kernel_io_missing="CUDA")
     assert resolved.hicache_io_backend == "direct"
     # page_first needs the kernel backend; without it the layout follows.
     assert resolved.hicache_mem_layout == "page_first_direct"

@@ -1,13 +1,62 @@
 """vllm_hicache: SGLang's HiCache (hierarchical KV cache) as a vLLM KV connector.
 
-Use with ``kv_connector="HiCacheConnector"`` and
-``kv_connector_module_path="vllm_hicache"``. The connector is imported lazily
-so that the pure core (index/, policy/, config, keys) imports without torch
-or vllm.
+Use with ``kv_connector="HiCacheConnector"``. Installing the package declares
+a ``vllm.general_plugins`` entry point (``hicache`` -> :func:`register`) that
+registers the connector with vLLM's connector factory, so
+``kv_connector_module_path`` is optional (``"vllm_hicache"`` still works, and
+is needed where plugins are filtered out with ``VLLM_PLUGINS``). The connector
+is imported lazily so that the pure core (index/, policy/, config, keys)
+imports without torch or vllm.
 """
 
-__all__ = ["HiCacheConnector"]
+import logging
+
+__all__ = ["CONNECTOR_NAME", "HiCacheConnector", "register"]
 __version__ = "0.1.0"
+
+CONNECTOR_NAME = "HiCacheConnector"
+# Where the factory imports the class from, on first use only.
+_CONNECTOR_MODULE = "vllm_hicache.connector"
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` hook: register ``HiCacheConnector`` by name.
+
+    vLLM calls it in every process it starts (API server, engine core,
+    workers), possibly more than once. The registration is lazy (a module
+    path and a class name; nothing heavy is imported here) and idempotent: a
+    name already registered, by an earlier call or by anyone else, is left
+    as it is.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    log_through_vllm()
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, _CONNECTOR_MODULE, CONNECTOR_NAME)
+    except ValueError:
+        # vLLM's factory refuses a second registration of a name.
+        logger.debug("%s is already registered with vLLM's connector factory", CONNECTOR_NAME)
+
+
+def log_through_vllm() -> None:
+    """Print this package's log records with vLLM's handler (its format and level).
+
+    vLLM configures only its own ``vllm`` logger (which does not propagate).
+    Under ``vllm serve`` the root logger has no handler, so records of other
+    packages fall through to Python's last resort: warnings printed bare,
+    INFO (the connector's start line) dropped. Done only while the root
+    logger has no handler, so an application or test that set up logging
+    keeps receiving our records there, once. Idempotent.
+    """
+    ours = logging.getLogger(__name__)
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
 
 
 def __getattr__(name: str):

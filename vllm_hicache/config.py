@@ -151,17 +151,20 @@ def _parse_number(name: str, value: Any) -> float:
     return number
 
 
-def resolve_conflicts(cfg: HiCacheConfig, cuda_available: bool = True) -> HiCacheConfig:
-    """Rewrite incompatible layout / I/O pairs, warning once per rewrite.
+def resolve_conflicts(cfg: HiCacheConfig, kernel_io_missing: str = "") -> HiCacheConfig:
+    """The one place that decides the copy backend and the host layout.
 
-    ``cuda_available=False`` additionally turns ``kernel`` I/O into ``direct``
-    (the Triton kernels need CUDA); the worker half calls this again once it
-    knows the device.
+    Rewrites incompatible layout / I/O pairs, warning once per rewrite.
+    ``kernel_io_missing`` names what this platform lacks for the kernel
+    backend ('' when nothing; ``kernels.base.kernel_io_missing`` finds out);
+    then ``kernel`` I/O becomes ``direct``, and the layout follows. The
+    connector calls this once per process and hands the result to its half.
     """
     io_backend, layout = cfg.hicache_io_backend, cfg.hicache_mem_layout
-    if io_backend == "kernel" and not cuda_available:
+    if io_backend == "kernel" and kernel_io_missing:
         logger.warning(
-            "hicache_io_backend=kernel needs CUDA; falling back to direct (torch copies)"
+            "hicache_io_backend=kernel needs %s; falling back to direct (torch copies)",
+            kernel_io_missing,
         )
         io_backend = "direct"
     if layout == "page_first_direct" and io_backend == "kernel":

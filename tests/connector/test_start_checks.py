@@ -108,3 +108,14 @@ def test_no_speculation_is_served(model_config):
         assert connector.scheduler is not None
     finally:
         connector.shutdown()
+
+
+def test_unpinned_pool_falls_back_only_where_the_layout_allows_it():
+    from tests.conftest import make_config
+    from vllm_hicache.connector.worker import HiCacheWorker
+
+    kept = HiCacheWorker._without_pinning(make_config(hicache_mem_layout="layer_first"))
+    assert (kept.hicache_mem_layout, kept.hicache_io_backend) == ("layer_first", "direct")
+    # page_first has no direct copy path, and the pool is already laid out.
+    with pytest.raises(ValueError, match="memlock"):
+        HiCacheWorker._without_pinning(make_config(hicache_mem_layout="page_first"))

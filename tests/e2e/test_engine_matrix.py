@@ -40,7 +40,8 @@ def real_pairs(cuda: bool) -> list[tuple[str, str]]:
     pairs = []
     for layout, io_backend in itertools.product(LAYOUTS, IO_BACKENDS):
         cfg = resolve_conflicts(make_config(hicache_mem_layout=layout,
-                                            hicache_io_backend=io_backend), cuda)
+                                            hicache_io_backend=io_backend),
+                                "" if cuda else "CUDA")
         if (cfg.hicache_mem_layout, cfg.hicache_io_backend) == (layout, io_backend):
             pairs.append((layout, io_backend))
     return pairs

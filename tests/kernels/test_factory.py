@@ -1,21 +1,14 @@
-"""make_transfer: backend choice and the kernel -> direct fallback."""
+"""make_transfer builds the resolved backend and refuses kernel copies it cannot run."""
 
 from __future__ import annotations
 
 import importlib
-import logging
 
 import pytest
 import torch
 
 from tests.kernels.test_transfer import build
-from vllm_hicache.kernels import DirectTransfer, KernelTransfer, make_transfer
-from vllm_hicache.kernels import base as base_module
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(base_module, "_warned", set())
+from vllm_hicache.kernels import DirectTransfer, KernelTransfer, kernel_io_missing, make_transfer
 
 
 def test_direct_is_direct():
@@ -29,15 +22,17 @@ def test_unknown_backend_is_refused():
         make_transfer("dma", layers, layouts, pool)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
-def test_kernel_without_cuda_falls_back_with_one_warning(caplog):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_kernel_without_cuda_is_refused_not_swapped():
+    # The choice is config.resolve_conflicts'; the factory never falls back
+    # on its own (it could not rewrite the layout that goes with it).
     layers, layouts, pool = build("cpu", "layer_first")
-    with caplog.at_level(logging.WARNING, logger="vllm_hicache.kernels.base"):
-        first = make_transfer("kernel", layers, layouts, pool)
-        second = make_transfer("kernel", layers, layouts, pool)
-    assert isinstance(first, DirectTransfer) and isinstance(second, DirectTransfer)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "direct" in warnings[0].getMessage()
+    with pytest.raises(ValueError, match="needs CUDA"):
+        make_transfer("kernel", layers, layouts, pool)
+
+
+def test_kernel_io_missing_names_cuda_on_a_cpu_device():
+    assert kernel_io_missing(False) == "CUDA"
 
 
 def test_kernel_transfer_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):

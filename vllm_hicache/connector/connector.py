@@ -2,12 +2,24 @@
 
 vLLM builds it twice: with role SCHEDULER in EngineCore (-> HiCacheScheduler)
 and with role WORKER in each worker (-> HiCacheWorker). Each method asserts
-it runs on the half that owns it. Use with
-``kv_connector="HiCacheConnector", kv_connector_module_path="vllm_hicache"``.
+it runs on the half that owns it. Use with ``kv_connector="HiCacheConnector"``
+(the package's vLLM plugin registers the name; ``kv_connector_module_path=
+"vllm_hicache"`` works too).
+
+Start-up logging: the scheduler half (one per engine) logs one INFO line with
+the resolved configuration (``start_line``: bytes and pages per tier, layout,
+policies, L3 backend with secrets redacted) and one warning per option that
+``resolve_conflicts`` rewrites. Worker halves resolve the same options from
+the same input and platform, so they rewrite them silently.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
+import re
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,12 +32,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm.platforms import current_platform
 
+from vllm_hicache import log_through_vllm
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.l3_setup import build_planner, check_shareable_hashes
-from vllm_hicache.connector.geometry import geometry_from
+from vllm_hicache.connector.geometry import KVGeometry, geometry_from
 from vllm_hicache.connector.metadata import HiCacheMetadata
 from vllm_hicache.connector.scheduler import HiCacheScheduler
 from vllm_hicache.connector.worker import HiCacheWorker
+from vllm_hicache.kernels import kernel_io_missing
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,6 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+logger = logging.getLogger(__name__)
 
 # Drafters that propose from token ids alone: no attention layers, so no KV of
 # their own in L1 or L2 and no layer hook outside the target forward, and vLLM
@@ -80,6 +95,91 @@ def check_speculative_decoding(vllm_config: VllmConfig) -> None:
     )
 
 
+# --- start-up logging ------------------------------------------------------
+
+# Option names whose values never reach a log line (matched case-insensitively
+# anywhere in the name, at any depth of the backend options).
+_SECRET_NAME = re.compile(
+    r"pass|secret|token|credential|auth|private|api_?key|access_?key|(^|_)key$", re.I
+)
+# user:password@ in a URL-like value.
+_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+_REDACTED = "<redacted>"
+
+
+def redacted(value: Any) -> Any:
+    """``value`` (backend options) with secrets replaced, for logs."""
+    if isinstance(value, Mapping):
+        return {
+            k: _REDACTED if _SECRET_NAME.search(str(k)) else redacted(v) for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [redacted(v) for v in value]
+    if isinstance(value, str):
+        return _URL_USERINFO.sub(_REDACTED + "@", value)
+    return value
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} B"
+
+
+def start_line(cfg: HiCacheConfig, geom: KVGeometry, num_pages: int, local_ranks: int = 1) -> str:
+    """The one INFO line an engine logs at start: the resolved configuration."""
+    page = geom.bytes_per_block
+    l2_by = (f"hicache_size={cfg.hicache_size:g} GB" if cfg.host_bytes_override > 0
+             else f"hicache_ratio={cfg.hicache_ratio:g}")
+    parts = [
+        f"L1 {geom.num_l1_blocks} blocks x {page} B = {_size(geom.num_l1_blocks * page)} (vLLM)",
+        f"L2 {num_pages} pages x {page} B = {_size(num_pages * page)} per rank"
+        f"{f' x {local_ranks} ranks' if local_ranks > 1 else ''} ({l2_by})",
+        f"block_size={geom.block_size} layers={geom.num_layers} kv_dtype={geom.kv_dtype or '?'}",
+        f"mem_layout={cfg.hicache_mem_layout} io_backend={cfg.hicache_io_backend} "
+        f"load_mode={cfg.hicache_load_mode} write_policy={cfg.hicache_write_policy} "
+        f"eviction={cfg.radix_eviction_policy}",
+    ]
+    storage = cfg.storage
+    if storage is None:
+        parts.append("L3 off")
+    else:
+        wait = {
+            "timeout": f" wait={storage.prefetch_timeout_base:g}+"
+                       f"{storage.prefetch_timeout_per_ki_token:g}/Ki tokens"
+                       f" (max {storage.prefetch_timeout_max:g}) s",
+            "wait_complete": f" wait<={storage.prefetch_timeout_max:g} s",
+        }.get(storage.prefetch_policy, "")
+        parts.append(
+            f"L3 {storage.backend} prefetch={storage.prefetch_policy}{wait} "
+            f"threshold={storage.prefetch_threshold} tokens "
+            f"options={redacted(dict(storage.backend_options))}"
+            + (f" model_version={cfg.model_version!r}" if cfg.model_version else "")
+        )
+    return "HiCache: " + "; ".join(parts)
+
+
+@contextlib.contextmanager
+def _config_warnings_muted() -> Iterator[None]:
+    """Drop the rewrite warnings of ``vllm_hicache.config`` while parsing.
+
+    For the parses that repeat the scheduler half's: worker halves (same
+    options, same platform, so the same rewrites) and vLLM's config-time
+    capability query. One warning per rewritten option per engine.
+    """
+    config_logger = logging.getLogger("vllm_hicache.config")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno != logging.WARNING
+
+    config_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        config_logger.removeFilter(keep)
+
+
 class HiCacheConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -88,12 +188,14 @@ class HiCacheConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_through_vllm()  # also where the plugin is filtered out by VLLM_PLUGINS
         extra = self._kv_transfer_config.kv_connector_extra_config
         # Resolved the same way in every process, so both halves (and the L3
         # keys they derive) agree on the layout.
-        cfg = resolve_conflicts(
-            HiCacheConfig.from_extra_config(extra), cuda_available=current_platform.is_cuda()
-        )
+        quiet = role != KVConnectorRole.SCHEDULER
+        with _config_warnings_muted() if quiet else contextlib.nullcontext():
+            cfg = resolve_conflicts(HiCacheConfig.from_extra_config(extra),
+                                    kernel_io_missing(current_platform.is_cuda()))
         check_speculative_decoding(vllm_config)
         geom = geometry_from(kv_cache_config, vllm_config)
         if cfg.storage is not None:
@@ -102,9 +204,11 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.worker: HiCacheWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             parallel = vllm_config.parallel_config
-            self.scheduler = HiCacheScheduler(cfg, geom, parallel.local_world_size)
-            if cfg.storage is not None:
-                self.scheduler.l3 = build_planner(cfg, geom, vllm_config, self.scheduler.num_pages)
+            l3_factory = (functools.partial(build_planner, cfg, geom, vllm_config)
+                          if cfg.storage is not None else None)
+            self.scheduler = HiCacheScheduler(cfg, geom, parallel.local_world_size, l3_factory)
+            logger.info("%s", start_line(cfg, geom, self.scheduler.num_pages,
+                                         parallel.local_world_size))
         else:
             self.worker = HiCacheWorker(cfg, geom, vllm_config)
 
@@ -118,7 +222,8 @@ class HiCacheConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Layerwise loads wait per layer, which full CUDA-graph replay skips.
-        cfg = HiCacheConfig.from_extra_config(extra_config)
+        with _config_warnings_muted():  # the scheduler half warns
+            cfg = HiCacheConfig.from_extra_config(extra_config)
         return cfg.hicache_load_mode == "layerwise"
 
     # --- scheduler half ----------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vllm_hicache.config import HiCacheConfig
@@ -61,7 +62,15 @@ STALLED_WORK_S = 30.0
 
 
 class HiCacheScheduler:
-    def __init__(self, cfg: HiCacheConfig, geom: KVGeometry, local_ranks: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: HiCacheConfig,
+        geom: KVGeometry,
+        local_ranks: int = 1,
+        l3_factory: Callable[[int], StoragePlanner] | None = None,
+    ) -> None:
+        """``l3_factory(num_pages)`` builds the L3 planner, when a storage
+        backend is configured, once L2 is known to fit."""
         self.cfg = cfg
         self.block_size = geom.block_size
         self.num_pages = host_num_pages(cfg, geom)
@@ -91,17 +100,12 @@ class HiCacheScheduler:
         self._inflight = InflightLoads()
         self._write_back: WriteBackWatcher | None = None
         self._evict_copies: list[WriteBackCopy] = []
-        # STORE ops of the write-backs in _evict_pairs, not yet emitted.
+        # STORE ops of the write-backs in _evict_copies, not yet emitted.
         self._evict_ops: list[PageOp] = []
-        # L3 tier (set by the connector when a storage backend is configured).
-        self.l3: StoragePlanner | None = None
         self._block_pool = None
         self._stored_ranges: list[PinnedRange] = []
-        logger.info(
-            "HiCache L2: %d pages x %d bytes = %.2f GB (L1 %d blocks), %s",
-            self.num_pages, geom.bytes_per_block,
-            self.num_pages * geom.bytes_per_block / 1e9, geom.num_l1_blocks, cfg,
-        )
+        # The engine's start line (connector.start_line) reports the sizes.
+        self.l3: StoragePlanner | None = l3_factory(self.num_pages) if l3_factory else None
 
     # --- lookup and load -------------------------------------------------
 

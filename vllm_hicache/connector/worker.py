@@ -83,7 +83,7 @@ class HiCacheWorker:
         tensors = [kv_caches[n] for n in self.geom.layer_names]
         self.transfer_tensors = tensors
         device = tensors[0].device
-        cfg = resolve_conflicts(self.cfg, cuda_available=device.type == "cuda")
+        cfg = self.cfg  # resolved for this platform by the connector
         layouts = [
             describe_kv_tensor(
                 t,
@@ -100,17 +100,34 @@ class HiCacheWorker:
             self.num_pages, layouts, cfg.hicache_mem_layout,
             pin_memory=device.type == "cuda",
         )
+        if cfg.hicache_io_backend == "kernel" and not self.pool.is_pinned:
+            cfg = self._without_pinning(cfg)
         self.transfer = make_transfer(cfg.hicache_io_backend, tensors, layouts, self.pool)
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device=device)
         self._async = AsyncLoader(self.transfer, self._stream)
         if cfg.storage is not None:
             self._io = build_storage_io(cfg, self.geom, self._vllm_config, self.pool)
-        logger.info(
+        # The engine's one INFO line is the scheduler half's (connector.start_line).
+        logger.debug(
             "HiCache worker: %d host pages (%.2f GB), layout=%s, io=%s, device=%s",
             self.num_pages, self.pool.num_bytes / 1e9, cfg.hicache_mem_layout,
             cfg.hicache_io_backend, device,
         )
+
+    @staticmethod
+    def _without_pinning(cfg: HiCacheConfig) -> HiCacheConfig:
+        """Kernel copies need the pool pinned, and pinning it failed. The
+        layout is fixed by now (the pool exists, L3 keys name it), so only a
+        fallback that keeps it is taken."""
+        resolved = resolve_conflicts(cfg, "a pinned host pool (cudaHostRegister failed)")
+        if resolved.hicache_mem_layout != cfg.hicache_mem_layout:
+            raise ValueError(
+                f"hicache_io_backend=kernel with hicache_mem_layout={cfg.hicache_mem_layout} "
+                "needs a pinned host pool and cudaHostRegister failed (check the memlock "
+                "limit); set hicache_mem_layout=page_first_direct or layer_first to allow "
+                "direct copies")
+        return resolved
 
     def _backend_name(self, layer_name: str) -> str:
         ctx = self._vllm_config.compilation_config.static_forward_context

@@ -90,7 +90,7 @@ class HostKVPool:
             if self.is_pinned
             else None
         )
-        logger.info(
+        logger.debug(
             "host KV pool: %d pages x %d bytes = %.2f GiB, layout %s, pinned %s",
             num_pages,
             self.bytes_per_page,

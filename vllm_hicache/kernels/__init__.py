@@ -5,7 +5,7 @@ Importing this package never imports triton; ``triton_copy`` is loaded by
 ``KernelTransfer`` on construction.
 """
 
-from vllm_hicache.kernels.base import IO_BACKENDS, KVTransfer, make_transfer
+from vllm_hicache.kernels.base import IO_BACKENDS, KVTransfer, kernel_io_missing, make_transfer
 from vllm_hicache.kernels.device_layout import DeviceKVLayout, describe_kv_tensor
 from vllm_hicache.kernels.direct import DirectTransfer
 from vllm_hicache.kernels.kernel_transfer import KernelTransfer
@@ -19,6 +19,7 @@ __all__ = [
     "KernelTransfer",
     "Run",
     "describe_kv_tensor",
+    "kernel_io_missing",
     "make_transfer",
     "merge_runs",
 ]

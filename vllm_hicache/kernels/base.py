@@ -145,52 +145,41 @@ def check_ids(
         assert 0 <= min(page_ids) and max(page_ids) < num_pages, (page_ids, num_pages)
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    # logging has no warning_once; a fallback is worth exactly one line.
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)
-
-
 def make_transfer(
     io_backend: str,
     kv_caches: Sequence[torch.Tensor],
     layouts: Sequence[DeviceKVLayout],
     pool: HostKVPool,
 ) -> KVTransfer:
-    """Build the copy engine named by ``hicache_io_backend``.
+    """Build the copy engine named by the resolved ``hicache_io_backend``.
 
-    ``kernel`` needs CUDA L1 tensors and a pinned pool; without them it
-    falls back to ``direct`` with one warning per process.
+    Chooses nothing: ``config.resolve_conflicts`` decided the backend (and
+    the layout that goes with it) before the pool existed. ``kernel``
+    without its prerequisites is refused, naming what is missing.
     """
-    from vllm_hicache.kernels.direct import DirectTransfer
-
     if io_backend not in IO_BACKENDS:
         raise ValueError(
             f"unknown hicache_io_backend {io_backend!r}; accepted: {', '.join(IO_BACKENDS)}"
         )
     if io_backend == "direct":
+        from vllm_hicache.kernels.direct import DirectTransfer
+
         return DirectTransfer(kv_caches, layouts, pool)
-    missing = _kernel_prerequisite_missing(kv_caches, pool)
+    missing = kernel_io_missing(kv_caches[0].device.type == "cuda") or (
+        "" if pool.is_pinned else "a pinned host pool")
     if missing:
-        _warn_once(
-            f"hicache_io_backend=kernel needs {missing}; using the direct (torch copy) backend"
-        )
-        return DirectTransfer(kv_caches, layouts, pool)
+        raise ValueError(f"hicache_io_backend=kernel needs {missing}; resolve the "
+                         "configuration with config.resolve_conflicts first")
     from vllm_hicache.kernels.kernel_transfer import KernelTransfer
 
     return KernelTransfer(kv_caches, layouts, pool)
 
 
-def _kernel_prerequisite_missing(kv_caches: Sequence[torch.Tensor], pool: HostKVPool) -> str:
-    """What the kernel backend lacks here ('' when nothing)."""
-    if not (torch.cuda.is_available() and kv_caches[0].device.type == "cuda"):
-        return "CUDA KV tensors"
+def kernel_io_missing(device_is_cuda: bool) -> str:
+    """What the kernel backend lacks on this platform ('' when nothing);
+    the pinned pool, known only once allocated, is checked by the worker."""
+    if not (device_is_cuda and torch.cuda.is_available()):
+        return "CUDA"
     if importlib.util.find_spec("triton") is None:
         return "Triton, which is not installed"
-    if not pool.is_pinned:
-        return "a pinned host pool"
     return ""
