@@ -41,7 +41,7 @@ class FullSortTree(HiRadixTree):
     """The eviction it replaced: sort every unpinned leaf on each eviction."""
 
     def evict(self, num_pages: int) -> int:
-        self._rebuild_heap()
+        self._queue.rebuild()
         return super().evict(num_pages)
 
 

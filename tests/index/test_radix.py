@@ -341,8 +341,8 @@ def test_touch_queues_a_new_key_only_when_the_policy_reads_use(make_kit, policy,
     kit = make_kit(num_pages=16, policy=policy)
     hashes = kit.chain([1, 2])
     kit.put(hashes)
-    before = len(kit.tree._heap)
+    before = kit.tree._queue.num_entries
     for t in range(5):
         kit.clock.now = float(t + 1)
         kit.tree.touch(hashes, 2)
-    assert (len(kit.tree._heap) > before) is grows
+    assert (kit.tree._queue.num_entries > before) is grows

@@ -238,7 +238,7 @@ class FullSortTree(HiRadixTree):
     sorted by (policy key, node id) at the moment of eviction."""
 
     def evict(self, num_pages: int) -> int:
-        self._rebuild_heap()
+        self._queue.rebuild()
         return super().evict(num_pages)
 
 

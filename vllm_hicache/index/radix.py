@@ -16,7 +16,10 @@ placeholder. Invariants (checked by ``check_integrity``):
   as an orphan (its pages neither free nor matchable), freed by the unlock
   that releases its last pin.
 
-Mutations happen only in the scheduler half, single-threaded. Pure module.
+The order in which leaves are evicted is kept by ``EvictionQueue``
+(eviction_queue.py); pages move between the free stack (free_pages.py) and
+the nodes only here. Mutations happen only in the scheduler half,
+single-threaded. Pure module.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from vllm_hicache.index.eviction_queue import EvictionQueue
+from vllm_hicache.index.free_pages import FreePages
+from vllm_hicache.index.integrity import check_index
 from vllm_hicache.index.node import LockHandle, MatchResult, PinnedPages, RadixNode, page_run
-from vllm_hicache.index.tree_pages import TreePages
 from vllm_hicache.policy.eviction import EvictionPolicy
 
 
@@ -61,13 +66,11 @@ def _same_kind_run(pages: Sequence[int | None], start: int, stop: int) -> int:
     return j - start
 
 
-class HiRadixTree(TreePages):
+class HiRadixTree:
     """Metadata of the L2 pool: match, insert, lock/unlock, alloc/free, evict.
 
     Called by the scheduler half only; ``match`` is side-effect free, every
-    other method may mutate. Page accounting and eviction (``alloc``,
-    ``free``, ``evict``, ``clear``, ``check_integrity`` and the ``num_*``
-    sizes) come from ``TreePages``. ``on_evict(hashes)`` is called once per
+    other method may mutate. ``on_evict(hashes)`` is called once per
     ``evict``/``alloc`` that evicted something, with the evicted blocks'
     hashes; ``clear`` does not call it (the caller resets its own state).
     """
@@ -79,7 +82,22 @@ class HiRadixTree(TreePages):
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[list[bytes]], None] | None = None,
     ) -> None:
-        super().__init__(num_pages, policy, clock, on_evict)
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        self._num_pages = num_pages
+        self.policy = policy
+        self._clock = clock
+        self._on_evict = on_evict
+        self._free = FreePages(num_pages)
+        # The root is host-backed with no blocks, so it never looks like a
+        # placeholder; it is never locked, evicted or queued for eviction.
+        self._root = RadixNode(None, [], page_run(()), clock())
+        # Host-backed non-root leaves, in the order they are evicted.
+        self._queue = EvictionQueue(policy)
+        # Tops of subtrees cut off by ``invalidate`` while pinned (see node.py).
+        self._orphans: set[RadixNode] = set()
+        self._num_cached_pages = 0
+        self._num_locked_pages = 0
 
     # --- lookup ---------------------------------------------------------
 
@@ -130,7 +148,7 @@ class HiRadixTree(TreePages):
             if priority > node.priority:
                 node.priority = priority
         if nodes and self.policy.keyed_by_use:
-            self._offer(nodes[-1])  # only a leaf's key matters, and only the last can be one
+            self._queue.offer(nodes[-1])  # only a leaf's key matters, and only the last can be one
 
     # --- locks ----------------------------------------------------------
 
@@ -173,7 +191,7 @@ class HiRadixTree(TreePages):
             if node.lock_ref == 0:
                 if node.pages is not None:
                     self._num_locked_pages -= len(node.pages)
-                self._offer(node)  # an unpinned leaf is a candidate again
+                self._queue.offer(node)  # an unpinned leaf is a candidate again
                 if node in self._orphans:
                     released_orphans.append(node)
                 elif (prune is None and not node.orphaned and node.pages is None
@@ -207,7 +225,7 @@ class HiRadixTree(TreePages):
         self._orphan(node)  # keeps node.parent while pinned: unlock walks through it
         if parent is not self._root and not parent.children:
             if parent.pages is not None:
-                self._add_leaf(parent)
+                self._queue.add(parent)
             elif parent.lock_ref == 0:
                 self._detach(parent)
         return num_pages
@@ -266,7 +284,7 @@ class HiRadixTree(TreePages):
             child.last_access_time = now
             child.priority = max(child.priority, priority)
             node, i = child, i + m
-        self._offer(node)  # the deepest node walked: the only one that can be a leaf
+        self._queue.offer(node)  # the deepest node walked: the only one that can be a leaf
         return unused
 
     def _check_insertable(self, pages: Sequence[int | None]) -> None:
@@ -300,16 +318,16 @@ class HiRadixTree(TreePages):
         while stop > start and pages[stop - 1] is None:
             stop -= 1
         if stop == start:
-            self._offer(parent)  # walked through: its statistics changed
+            self._queue.offer(parent)  # walked through: its statistics changed
             return
         node, i = parent, start
         if parent is not self._root and parent.pages is not None and not parent.children \
                 and pages[start] is not None:
             i += self._extend_leaf(parent, hashes, pages, start, stop)
             if i == stop:
-                self._offer(parent)  # still a leaf, with new pages and statistics
+                self._queue.offer(parent)  # still a leaf, with new pages and statistics
                 return
-        self._leaves.discard(parent)
+        self._queue.discard(parent)
         while i < stop:
             m = _same_kind_run(pages, i, stop)
             run = None
@@ -320,7 +338,7 @@ class HiRadixTree(TreePages):
             child = RadixNode(node, list(hashes[i : i + m]), run, now, priority)
             node.adopt(child)
             node, i = child, i + m
-        self._add_leaf(node)
+        self._queue.add(node)
 
     def _extend_leaf(self, leaf: RadixNode, hashes: Sequence[bytes],
                      pages: Sequence[int | None], start: int, stop: int) -> int:
@@ -337,3 +355,212 @@ class HiRadixTree(TreePages):
         if leaf.lock_ref:
             self._num_locked_pages += m
         return m
+
+    # --- sizes ----------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self._num_cached_pages
+
+    @property
+    def num_locked_pages(self) -> int:
+        return self._num_locked_pages
+
+    def allocated_pages(self) -> frozenset[int]:
+        """Pages handed out by ``alloc`` and neither inserted nor freed yet."""
+        return frozenset(self._free.allocated)
+
+    # --- pages ----------------------------------------------------------
+
+    def alloc(self, num_pages: int) -> list[int] | None:
+        """Take ``num_pages`` free pages, evicting if short; None if still short.
+
+        Pages evicted by a failed alloc stay evicted. The caller must
+        ``insert`` or ``free`` every page it gets.
+        """
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        short = num_pages - len(self._free)
+        if short > 0:
+            self.evict(short)
+            if len(self._free) < num_pages:
+                return None
+        return self._free.take(num_pages)
+
+    def alloc_up_to(self, num_pages: int) -> list[int]:
+        """Take as many free pages as eviction can find, at most ``num_pages``.
+
+        Never evicts a pinned page: when too few unpinned pages exist the
+        caller simply gets fewer (stores less).
+        """
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        short = num_pages - len(self._free)
+        if short > 0:
+            self.evict(short)
+        return self._free.take(min(num_pages, len(self._free)))
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Give back pages from ``alloc`` that were never inserted."""
+        self._free.give_back(pages)
+
+    def _fill(self, node: RadixNode, pages: Sequence[int | None], now: float) -> None:
+        """A placeholder's blocks got pages: it becomes host-backed."""
+        node.pages = page_run(pages)  # type: ignore[arg-type]
+        self._free.claim(node.pages)
+        self._num_cached_pages += len(node.pages)
+        if node.lock_ref:
+            self._num_locked_pages += len(node.pages)
+        node.creation_time = now
+        if not node.children:  # a locked placeholder whose children were evicted
+            self._queue.add(node)
+
+    # --- eviction -------------------------------------------------------
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` pages from unlocked leaves; return how many.
+
+        Leaves leave in policy order (smallest key first, then oldest node);
+        a parent that becomes a leaf is a candidate at once. The last leaf is
+        trimmed from its tail so no more than ``num_pages`` are freed.
+        """
+        if num_pages <= 0:
+            return 0
+        freed, hashes = 0, []
+        while freed < num_pages:
+            node = self._queue.pop()
+            if node is None:
+                break
+            need = num_pages - freed
+            if len(node.pages) > need:  # type: ignore[arg-type]
+                freed += self._trim_tail(node, need, hashes)
+                self._queue.offer(node)  # still a leaf, same key
+                break
+            freed += self._drop_pages(node, hashes)
+            self._detach(node)  # an exposed parent is offered there
+        if hashes and self._on_evict is not None:
+            self._on_evict(hashes)
+        return freed
+
+    def _trim_tail(self, node: RadixNode, num_blocks: int, hashes: list[bytes]) -> int:
+        pages = node.pages
+        assert pages is not None and 0 < num_blocks < len(pages), node
+        self._free.push(pages[-num_blocks:])
+        hashes.extend(node.key[-num_blocks:])
+        del pages[-num_blocks:]
+        del node.key[-num_blocks:]
+        self._num_cached_pages -= num_blocks
+        return num_blocks
+
+    def _drop_pages(self, node: RadixNode, hashes: list[bytes]) -> int:
+        """Free a whole host-backed leaf's pages (the node is then detached)."""
+        pages = node.pages
+        assert pages is not None and not node.children and node.lock_ref == 0, node
+        self._queue.discard(node)
+        self._free.push(pages)
+        hashes.extend(node.key)
+        self._num_cached_pages -= len(pages)
+        return len(pages)
+
+    def _detach(self, node: RadixNode) -> RadixNode | None:
+        """Unlink a childless node, pruning placeholders that become childless.
+
+        Returns the host-backed ancestor that became a leaf, if any.
+        """
+        while True:
+            parent = node.parent
+            assert parent is not None and not node.children, node
+            del parent.children[node.key[0]]  # type: ignore[attr-defined]
+            node.parent = None
+            if parent is self._root or parent.children:
+                return None
+            if parent.pages is not None:
+                self._queue.add(parent)
+                return parent
+            if parent.lock_ref:  # pruned later, by unlock
+                return None
+            node = parent
+
+    def clear(self) -> None:
+        """Drop every unlocked node (reset_cache); locked paths (and pinned
+        orphans) stay."""
+        freed: list[int] = []
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for child in list(node.children.values()):
+                if child.lock_ref:
+                    stack.append(child)
+                else:
+                    del node.children[child.key[0]]  # type: ignore[attr-defined]
+                    self._drop_subtree(child, freed)
+            if node is not self._root and not node.children and node.pages is not None:
+                self._queue.add(node)
+        self._free.push(freed)
+        self._num_cached_pages -= len(freed)
+        self._queue.rebuild()
+
+    def _orphan(self, top: RadixNode) -> None:
+        """Cut ``top``'s subtree out of the index (it is already unlinked).
+
+        Unpinned, its pages are freed at once; pinned, they stay with their
+        pins and are freed by the unlock that releases the last one.
+        """
+        if top.lock_ref == 0:
+            self._free_orphan(top)
+            return
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            node.orphaned = True
+            self._queue.discard(node)
+            stack.extend(node.children.values())
+        self._orphans.add(top)
+
+    def _free_orphan(self, top: RadixNode) -> None:
+        freed: list[int] = []
+        hashes: list[bytes] = []
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            if node.pages is not None:
+                hashes.extend(node.key)
+            stack.extend(node.children.values())
+        self._drop_subtree(top, freed)
+        self._orphans.discard(top)
+        self._free.push(freed)
+        self._num_cached_pages -= len(freed)
+        if hashes and self._on_evict is not None:
+            self._on_evict(hashes)
+
+    def _drop_subtree(self, top: RadixNode, freed: list[int]) -> None:
+        top.parent = None
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            if node.pages is not None:
+                freed.extend(node.pages)
+                self._queue.discard(node)
+            stack.extend(node.children.values())
+
+    # --- checks ---------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError, with the numbers, if any invariant is broken."""
+        check_index(
+            self._root,
+            self._free,
+            set(self._queue),
+            self._orphans,
+            num_pages=self._num_pages,
+            num_cached_pages=self._num_cached_pages,
+            num_locked_pages=self._num_locked_pages,
+        )
