@@ -7,8 +7,10 @@ STAMP  := $(VENV)/.hicache-installed
 MODEL  := .cache/tiny-llama
 DEMO_MODEL := .cache/demo-llama
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
+SERVE_PORT ?= 8000
+SERVE_ADMIN_PORT ?= 8001
 
-.PHONY: setup demo test test-fast soak bench clean
+.PHONY: setup demo serve test test-fast soak bench clean
 
 setup: $(STAMP)
 
@@ -41,6 +43,12 @@ $(DEMO_MODEL)/.complete: $(STAMP) examples/tiny_model.py
 demo: $(STAMP) $(DEMO_MODEL)/.complete
 	@$(PY) examples/offline_multiturn.py --model $(DEMO_MODEL)
 
+# An OpenAI-compatible server with HiCache (L2 + file L3 in .cache/serve-l3) and
+# the admin API on 127.0.0.1; prints a curl to try it; Ctrl-C stops it.
+# vLLM's output goes to .cache/serve.log (VERBOSE=1 shows it).
+serve: $(STAMP) $(MODEL)/.complete
+	@$(PY) examples/serve.py --model $(MODEL) --port $(SERVE_PORT) --admin-port $(SERVE_ADMIN_PORT)
+
 # pytest exit 5 (nothing collected) is a failure, like any other non-zero.
 test: $(STAMP) $(MODEL)/.complete
 	scripts/in_private_net.sh $(PY) -m pytest -q; rc=$$?; \
@@ -63,7 +71,7 @@ bench: $(STAMP) $(MODEL)/.complete
 	$(PY) benchmarks/bench_copy.py
 	$(PY) benchmarks/bench_tree.py
 	$(PY) benchmarks/bench_scheduler.py --model $(MODEL)
-	$(PY) benchmarks/bench_scale.py --model $(MODEL)
+	$(PY) benchmarks/bench_scale.py --model $(MODEL) --plot docs/img/bench_scale.png
 	$(PY) benchmarks/bench_l3_file.py
 	$(PY) benchmarks/bench_l3_seal.py
 	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_redis.py

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.storage.services_mooncake import MooncakeServices  # noqa: E402
+from tests.storage.mooncake.services import MooncakeServices  # noqa: E402
 from vllm_hicache.storage import StorageContext, create_backend  # noqa: E402
 
 HEADER = 64

@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_hicache.storage import StorageContext, create_backend  # noqa: E402
-from vllm_hicache.storage.nixl_engine import import_nixl  # noqa: E402
+from vllm_hicache.storage.nixl.engine import import_nixl  # noqa: E402
 
 HEADER = 64
 

@@ -39,9 +39,9 @@ from redis.utils import HIREDIS_AVAILABLE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.storage.services_redis import RedisServer  # noqa: E402
+from tests.storage.redis.services import RedisServer  # noqa: E402
 from vllm_hicache.storage import StorageContext, create_backend  # noqa: E402
-from vllm_hicache.storage.redis_config import RedisConfig  # noqa: E402
+from vllm_hicache.storage.redis.config import RedisConfig  # noqa: E402
 
 HEADER = 64
 

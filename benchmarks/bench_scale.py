@@ -25,7 +25,10 @@ figure least disturbed by other processes. The collector runs as it would in
 EngineCore (a larger index makes its full collections longer; that is part of
 the cost).
 
-    .venv/bin/python benchmarks/bench_scale.py [--quick]
+With matplotlib installed (the ``bench`` extra), ``--plot PATH`` writes the
+three sweeps as one PNG.
+
+    .venv/bin/python benchmarks/bench_scale.py [--quick] [--plot docs/img/bench_scale.png]
 """
 
 from __future__ import annotations
@@ -238,6 +241,7 @@ def main() -> int:
     p.add_argument("--waves", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--plot", default="", help="write the sweeps as a PNG here")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     args = p.parse_args()
     if args.quick:
@@ -277,7 +281,41 @@ def main() -> int:
         print(f"{n:>8} {s.units:>7} {s.steps:>6} {s.total_s * 1e3:>9.2f} {s.per_unit_us:>13.2f}")
     print(f"longest/shortest per block: "
           f"{verdict(prompts[-1].per_unit_us / prompts[0].per_unit_us, 2)}")
+    if args.plot:
+        plot(args, sizes, conc, prompts)
     return 0
+
+
+def plot(args, sizes: list[Sweep], conc: list[Sweep], prompts: list[Sweep]) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    panels = [
+        (args.pages, [s.per_unit_us / 1e3 for s in sizes], "L2 pages",
+         "ms per new request", "L2 size (target: flat within 2x)"),
+        (args.concurrency, [statistics.median(s.step_s or [0.0]) * 1e3 for s in conc],
+         "running requests", "ms per decode step (p50)", "concurrency (target <= 1 ms)"),
+        (args.prompts, [s.per_unit_us for s in prompts], "prompt tokens",
+         "us per block over the prefill", "prompt length (target: within 2x)"),
+    ]
+    for ax, (xs, ys, xlabel, ylabel, title) in zip(axes, panels):
+        ax.plot(xs, ys, marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        ax.grid(alpha=0.3)
+    axes[1].axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    fig.suptitle("HiCache scheduler half on vLLM's Scheduler (bench_scale.py)")
+    fig.tight_layout()
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=110)
+    print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def test_keys_are_safe_and_deterministic():
     keys = NS.object_keys([b"\x01\x02", b"\xff"])
     assert keys == NS.object_keys([b"\x01\x02", b"\xff"])
     assert all(set(k) <= set("abcdefghijklmnopqrstuvwxyz0123456789-") for k in keys)
-    assert keys[0].startswith("hc2-")
+    assert keys[0].startswith("hc3-")
     assert keys[0].endswith("-r0-0102")
 
 
@@ -27,6 +27,8 @@ def test_keys_are_safe_and_deterministic():
     # Same layout name, other device block order (page_first_direct NHD vs HND).
     ("page_format", "2B[layer2:256 token8:32 head2:16 plane2:8 elem8:1]"),
     ("model_version", "v2"), ("weights_fingerprint", "e" * 32), ("pp_size", 2),
+    # Another storage secret's tag, or encryption on (keys.py: protection).
+    ("protection", "mac:0123456789abcdef"), ("protection", "aead:0123456789abcdef"),
 ])
 def test_every_field_changes_the_key(field, value):
     other = dataclasses.replace(NS, **{field: value})
@@ -80,8 +82,8 @@ def _golden_tag() -> str:
     import json
 
     ident = json.dumps(["org/model", "", "f" * 32, "bfloat16", "page_first",
-                        "2B[plane2:256 token8:32 layer2:16 head2:8 elem8:1]", 32, 2, 1, 0])
-    return f"hc2-{hashlib.sha256(ident.encode()).hexdigest()[:16]}-r0"
+                        "2B[plane2:256 token8:32 layer2:16 head2:8 elem8:1]", 32, 2, 1, 0, ""])
+    return f"hc3-{hashlib.sha256(ident.encode()).hexdigest()[:16]}-r0"
 
 
 def test_tag_is_equal_across_processes_and_hash_seeds():

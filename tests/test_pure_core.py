@@ -1,4 +1,4 @@
-"""The pure core (index/, policy/, config.py, keys.py) imports neither torch nor vllm."""
+"""The pure core (index/, policy/, planner/, config.py, keys.py) imports neither torch nor vllm."""
 
 import subprocess
 import sys
@@ -13,6 +13,16 @@ PURE_MODULES = [
     "vllm_hicache.policy",
     "vllm_hicache.policy.eviction",
     "vllm_hicache.policy.write",
+    # The capacity planner replays logs with the same tree and policies.
+    "vllm_hicache.planner",
+    "vllm_hicache.planner.log_format",
+    "vllm_hicache.planner.l1",
+    "vllm_hicache.planner.model",
+    "vllm_hicache.planner.replay",
+    "vllm_hicache.planner.reuse",
+    "vllm_hicache.planner.report",
+    "vllm_hicache.planner.plots",
+    "vllm_hicache.planner.__main__",
 ]
 
 

@@ -1,5 +1,4 @@
 import json
-import math
 
 import pytest
 
@@ -24,12 +23,6 @@ def test_backend_policy_and_knobs_parsed():
     assert dict(st.backend_options) == {"path": "/x"}  # knobs taken out
     with pytest.raises(TypeError):
         st.backend_options["path"] = "/y"  # frozen
-
-
-def test_timeout_formula_is_capped():
-    st = make_config(hicache_storage_backend="file").storage
-    assert math.isclose(st.prefetch_timeout_s(2048), 2.0 + 0.1 * 2)
-    assert st.prefetch_timeout_s(10**9) == 30.0
 
 
 def test_extra_config_as_json_and_file(tmp_path):
@@ -69,3 +62,69 @@ def test_extra_config_as_json_and_file(tmp_path):
 def test_bad_storage_config(extra, match):
     with pytest.raises(ValueError, match=match):
         make_config(**extra)
+
+
+# --- storage_secret / storage_encrypt -------------------------------------------
+
+SECRET = "0123456789abcdef-not-for-any-log"
+
+
+def security(**options):
+    return make_config(hicache_storage_backend="file",
+                       hicache_storage_backend_extra_config={"path": "/x", **options}).storage
+
+
+def test_secret_inline_and_from_file(tmp_path):
+    inline = security(storage_secret=SECRET)
+    f = tmp_path / "secret"
+    f.write_text(SECRET + "\n")
+    from_file = security(storage_secret=f"@{f}", storage_encrypt=True)
+    assert inline.secret == from_file.secret
+    assert (inline.protection, from_file.protection) == ("mac", "aead")
+    assert inline.key_protection == "mac:" + inline.secret.namespace_tag
+    assert dict(from_file.backend_options) == {"path": "/x"}  # never reaches the backend
+    assert security().secret is None and security().key_protection == ""
+    assert security(storage_secret=SECRET + "x").key_protection != inline.key_protection
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"storage_secret": "short"}, "storage_secret: 5 bytes, expected 16"),
+    ({"storage_secret": 12345678901234567890}, "storage_secret: expected a non-empty string"),
+    ({"storage_secret": ""}, "storage_secret: expected a non-empty string"),
+    ({"storage_secret": "@/no/such/file"},
+     "storage_secret: cannot read the secret file '/no/such/file'"),
+    ({"storage_encrypt": True}, "storage_encrypt=true needs storage_secret"),
+    ({"storage_secret": SECRET, "storage_encrypt": "yes"}, "invalid storage_encrypt='yes'"),
+])
+def test_bad_security_options(options, match):
+    with pytest.raises(ValueError, match=match) as err:
+        security(**options)
+    assert SECRET not in str(err.value)
+
+
+def test_short_secret_file_names_the_file_not_the_secret(tmp_path):
+    f = tmp_path / "secret"
+    f.write_text("tiny-secret\n")
+    with pytest.raises(ValueError, match=f"11 bytes.*{f}") as err:
+        security(storage_secret=f"@{f}")
+    assert "tiny-secret" not in str(err.value)
+
+
+def test_secret_never_shown_in_repr_or_errors():
+    st = security(storage_secret=SECRET)
+    cfg = make_config(hicache_storage_backend="file",
+                      hicache_storage_backend_extra_config={"storage_secret": SECRET})
+    for text in (repr(st), str(st), repr(cfg), repr(st.secret), f"{st.secret}", st.key_protection):
+        assert SECRET not in text
+    # An extra config given as a JSON string is never echoed: it may hold the secret.
+    for bad in ('{"storage_secret": "%s", ' % SECRET, '["%s"]' % SECRET):
+        with pytest.raises(ValueError, match="hicache_storage_backend_extra_config") as err:
+            make_config(hicache_storage_backend="file", hicache_storage_backend_extra_config=bad)
+        assert SECRET not in str(err.value)
+    # An unknown option is named; the secret beside it is not shown.
+    with pytest.raises(ValueError, match="no_such_option") as err:
+        from vllm_hicache.storage import StorageContext, create_backend
+
+        create_backend("file", {**st.backend_options, "no_such_option": 1},
+                       StorageContext("worker", 0, 1, 128))
+    assert SECRET not in str(err.value)

@@ -10,9 +10,11 @@ Pure module: imports neither torch nor vllm.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vllm_hicache.storage_config import STORAGE_KEYS, StorageConfig, parse_storage
@@ -61,6 +63,27 @@ class HiCacheConfig:
     # It adds to the model name (path) and revision, never replaces them.
     # Empty: use the fingerprint.
     model_version: str = ""
+    # Admin HTTP API (README "Admin API": runtime attach/detach of the L3
+    # backend), served by each engine next to the scheduler half. Port 0
+    # (the default) = off; under data parallelism engine i listens on port + i.
+    admin_api_port: int = 0
+    # Address it binds; anything but loopback needs admin_api_key.
+    admin_api_host: str = "127.0.0.1"
+    # Bearer token every admin call must carry ("Authorization: Bearer <key>"),
+    # or "@/path/to/file" holding it; "" = no token (loopback only). The key
+    # itself is kept here, never shown.
+    admin_api_key: str = dataclasses.field(default="", repr=False)
+    # Access log for the capacity planner (README "Capacity planning"): the
+    # file the scheduler half writes, per request, its arrival time, block
+    # hash chain (8-byte prefixes), prompt tokens and hit tokens by tier (no
+    # text, no token ids). "" = off.
+    hicache_access_log: str = ""
+    # Fraction of requests logged, in (0, 1]: those whose first block hashes
+    # below it, so requests sharing a prefix are logged (or not) together.
+    hicache_access_log_sample: float = 1.0
+    # Disk the log may use, in MB (1e6 bytes): it rotates into "<log>.1"
+    # (replacing the previous one) at half of it.
+    hicache_access_log_max_mb: float = 1024.0
 
     @property
     def host_bytes_override(self) -> int:
@@ -85,6 +108,7 @@ class HiCacheConfig:
                 f"accepted: {sorted(known | set(STORAGE_KEYS))}"
             )
         values = {name: _parse_field(name, value) for name, value in extra.items()}
+        _check_admin_bind(values)
         return resolve_conflicts(cls(**values, storage=storage))
 
 
@@ -93,6 +117,10 @@ def _parse_field(name: str, value: Any) -> Any:
         return _parse_number(name, value)
     if name == "model_version":
         return _parse_model_version(value)
+    if name in _ADMIN_PARSERS:
+        return _ADMIN_PARSERS[name](value)
+    if name in _ACCESS_LOG_PARSERS:
+        return _ACCESS_LOG_PARSERS[name](value)
     choices = {
         "hicache_write_policy": WRITE_POLICIES,
         "hicache_mem_layout": MEM_LAYOUTS,
@@ -128,6 +156,99 @@ def _parse_model_version(value: Any) -> str:
             f"invalid model_version={value!r}; leading or trailing whitespace is not allowed"
         )
     return value
+
+
+def _parse_admin_port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(
+            f"invalid admin_api_port={value!r}; expected an integer in [0, 65535] (0 = off)"
+        )
+    return value
+
+
+def _parse_admin_host(value: Any) -> str:
+    if not isinstance(value, str) or not value or not value.isprintable() or " " in value:
+        raise ValueError(
+            f"invalid admin_api_host={value!r}; expected an address to bind, e.g. 127.0.0.1"
+        )
+    return value
+
+
+# A token shorter than this is refused: it would be guessable.
+_ADMIN_KEY_MIN_CHARS = 16
+
+
+def _parse_admin_key(value: Any) -> str:
+    """The key itself; ``@path`` reads it from a file (stripped). Errors
+    name the file, never the key."""
+    if not isinstance(value, str):
+        raise ValueError("invalid admin_api_key; expected a string or @/path/to/file")
+    if value.startswith("@"):
+        try:
+            key = Path(value[1:]).read_text().strip()
+        except OSError as err:
+            raise ValueError(
+                f"invalid admin_api_key={value!r}: cannot read it ({err.strerror})"
+            ) from None
+        where = f"in {value[1:]!r}"
+    else:
+        key, where = value, "given"
+    if value and (len(key) < _ADMIN_KEY_MIN_CHARS or not key.isprintable() or " " in key):
+        raise ValueError(
+            f"invalid admin_api_key {where}; expected at least {_ADMIN_KEY_MIN_CHARS} "
+            "printable characters without spaces"
+        )
+    return key
+
+
+_ADMIN_PARSERS = {
+    "admin_api_port": _parse_admin_port,
+    "admin_api_host": _parse_admin_host,
+    "admin_api_key": _parse_admin_key,
+}
+
+
+def _parse_access_log(value: Any) -> str:
+    if not isinstance(value, str) or not value.isprintable():
+        raise ValueError(f"invalid hicache_access_log={value!r}; expected a file path "
+                         "(\"\" = off)")
+    return value
+
+
+def _parse_access_log_number(name: str, lo: float, hi: float, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo < value <= hi:
+        raise ValueError(f"invalid {name}={value!r}; expected a number in ({lo:g}, {hi:g}]")
+    return float(value)
+
+
+_ACCESS_LOG_PARSERS = {
+    "hicache_access_log": _parse_access_log,
+    "hicache_access_log_sample": lambda v: _parse_access_log_number(
+        "hicache_access_log_sample", 0.0, 1.0, v),
+    "hicache_access_log_max_mb": lambda v: _parse_access_log_number(
+        "hicache_access_log_max_mb", 0.0, 1e9, v),  # finite: the log never grows unbounded
+}
+
+
+def is_loopback(host: str) -> bool:
+    """Does ``host`` (an admin_api_host) name a loopback address?"""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_admin_bind(values: Mapping[str, Any]) -> None:
+    """The admin API can attach, detach and clear L3: off loopback it must
+    not be reachable without a key."""
+    host = values.get("admin_api_host", "127.0.0.1")
+    if values.get("admin_api_port", 0) and not values.get("admin_api_key") and not is_loopback(host):
+        raise ValueError(
+            f"admin_api_host={host!r} is not a loopback address and admin_api_key is not set; "
+            "set admin_api_key (e.g. @/path/to/file) or bind 127.0.0.1"
+        )
 
 
 def _parse_number(name: str, value: Any) -> float:

@@ -11,17 +11,25 @@ bytes besides the tokens, so two instances whose bytes for the same tokens
 could differ never share a key: the weights (model name and revision, plus
 ``model_version`` or a fingerprint of the weight files), the KV dtype, the
 host layout and the exact byte order of a page's payload, the block size,
-the TP and PP sharding and this shard's ranks. The format::
+the TP and PP sharding and this shard's ranks. It also names how objects
+are sealed: with a storage secret, its one-way tag (never the secret), so
+instances with different secrets, or none, never look up each other's
+objects. The format::
 
-    hc2-<D>-<shard>-<block hash hex>
+    hc3-<D>-<shard>-<block hash hex>
 
     D      16 hex of sha256 over the JSON list [model, model_version,
            weights_fingerprint, kv_dtype, mem_layout, page_format,
-           block_size, tp_size (or "mla"), pp_size, pp_rank]
+           block_size, tp_size (or "mla"), pp_size, pp_rank, protection]
     shard  r<tp_rank>, or p<pp_rank>r<tp_rank> when pp_size > 1; MLA keeps
            one copy for all TP ranks: "mla" (p<pp_rank>mla)
 
-``hc1`` keys (before the byte order and weights were named) are never read.
+Tenants: vLLM folds a request's ``cache_salt`` into its first block's hash,
+and the chain carries it into every later one, so requests with different
+salts have different block hashes, hence different L2 pages and L3 keys.
+
+``hc1`` keys (before the byte order and weights were named) and ``hc2`` keys
+(object format 1, before the sealing was named) are never read.
 Pure module: no torch, no vllm.
 """
 
@@ -59,7 +67,7 @@ def loadable_block_limit(num_tokens: int, block_size: int) -> int:
 
 
 # Bump when the meaning of an object's bytes changes for the same fields.
-KEY_VERSION = "hc2"
+KEY_VERSION = "hc3"
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,10 @@ class KeyNamespace:
     weights_fingerprint: str = ""
     pp_size: int = 1
     pp_rank: int = 0
+    # How objects are sealed (StorageConfig.key_protection): "" = checksums
+    # only, else "mac:<tag>" or "aead:<tag>", <tag> a one-way derivation of
+    # the storage secret.
+    protection: str = ""
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
@@ -106,6 +118,7 @@ class KeyNamespace:
             self.model, self.model_version, self.weights_fingerprint, self.kv_dtype,
             self.mem_layout, self.page_format, self.block_size,
             "mla" if self.is_mla else self.tp_size, self.pp_size, self.pp_rank,
+            self.protection,
         ])
         digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
         shard = "mla" if self.is_mla else f"r{self.tp_rank}"

@@ -2,32 +2,39 @@
 
 ``hicache_storage_backend_extra_config`` is a dict, a JSON string, or
 ``@path`` to a ``.json`` or ``.toml`` file (as SGLang's flag). The prefetch
-knobs are taken out of it here, SGLang-style; what remains is the backend's
-own options, which the backend validates when it is built. Pure module.
+knobs are taken out of it here, SGLang-style (parsed by their fields'
+parsers, storage/options.py); what remains is the backend's own options,
+which the backend validates when it is built. So are the security options
+every backend shares: ``storage_secret`` (authenticated objects;
+storage_secret.py) and ``storage_encrypt`` (encrypted payloads); the secret
+never reaches a backend, a repr or an error message. The accepted backend
+names are the registry's (storage/factory.py). Pure module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STORAGE_BACKENDS = ("file", "redis", "mooncake", "nixl", "dynamic")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+from vllm_hicache.policy.prefetch import PREFETCH_POLICIES
+from vllm_hicache.storage.factory import backend_names
+from vllm_hicache.storage.options import integer, number, option, parse_value
+from vllm_hicache.storage_secret import OPTION as SECRET_OPTION
+from vllm_hicache.storage_secret import StorageSecret
+
+# The backends registered at import (the registry's names, for the admin API);
+# parse_storage asks the registry itself.
+STORAGE_BACKENDS = backend_names()
 STORAGE_KEYS = (
     "hicache_storage_backend",
     "hicache_storage_prefetch_policy",
     "hicache_storage_backend_extra_config",
 )
-# The L3 tier is wired into the connector only when this is True; until then
-# its keys are refused rather than accepted and ignored.
-L3_ENABLED = True
-
 
 @dataclass(frozen=True)
 class StorageConfig:
@@ -39,18 +46,34 @@ class StorageConfig:
     # (SGLang --hicache-storage-prefetch-policy).
     prefetch_policy: str = "best_effort"
     # Shorter L3 hits (in tokens) are not prefetched.
-    prefetch_threshold: int = 256
+    prefetch_threshold: int = option(256, parse=integer(1))
     # timeout policy: wait base + per_ki_token x tokens/1024 seconds, capped.
-    prefetch_timeout_base: float = 2.0
-    prefetch_timeout_per_ki_token: float = 0.1
-    prefetch_timeout_max: float = 30.0
+    prefetch_timeout_base: float = option(2.0, parse=number(0.0))
+    prefetch_timeout_per_ki_token: float = option(0.1, parse=number(0.0))
+    prefetch_timeout_max: float = option(30.0, parse=number(0.0))
     # Everything else in hicache_storage_backend_extra_config: the backend's
     # own options, validated by the backend when it is built.
     backend_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # storage_secret: every object carries a MAC keyed by it, and its one-way
+    # tag is in every key; None = checksums only. Never shown.
+    secret: StorageSecret | None = dataclasses.field(default=None, repr=False)
+    # storage_encrypt: payloads are AES-256-GCM ciphertext (needs the secret).
+    encrypt: bool = False
 
-    def prefetch_timeout_s(self, num_tokens: int) -> float:
-        wait = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * num_tokens / 1024
-        return min(wait, self.prefetch_timeout_max)
+    @property
+    def protection(self) -> str:
+        """How objects are sealed: "checksum", "mac" or "aead"."""
+        if self.secret is None:
+            return "checksum"
+        return "aead" if self.encrypt else "mac"
+
+    @property
+    def key_protection(self) -> str:
+        """What object keys say about the sealing (KeyNamespace.protection):
+        "" without a secret, else the mode and the secret's one-way tag."""
+        if self.secret is None:
+            return ""
+        return f"{self.protection}:{self.secret.namespace_tag}"
 
 
 def parse_storage(keys: Mapping[str, Any]) -> StorageConfig | None:
@@ -61,45 +84,44 @@ def parse_storage(keys: Mapping[str, Any]) -> StorageConfig | None:
     if backend is None:
         raise ValueError(
             f"{sorted(keys)} given without hicache_storage_backend; set it to one of "
-            f"{', '.join(STORAGE_BACKENDS)} or remove them"
+            f"{', '.join(backend_names())} or remove them"
         )
-    _check_choice("hicache_storage_backend", backend, STORAGE_BACKENDS)
-    if not L3_ENABLED:
-        raise ValueError(
-            f"hicache_storage_backend={backend!r} is not supported yet: the L3 storage "
-            "tier is not wired into this version of vllm_hicache"
-        )
+    _check_choice("hicache_storage_backend", backend, backend_names())
     policy = keys.get("hicache_storage_prefetch_policy", "best_effort")
     _check_choice("hicache_storage_prefetch_policy", policy, PREFETCH_POLICIES)
     options = _load_extra(keys.get("hicache_storage_backend_extra_config"))
-    knobs = {name: _pop_knob(options, name) for name in _KNOBS if name in options}
+    knobs = {name: parse_value(_EXTRA, _KNOBS[name], options.pop(name))
+             for name in _KNOBS if name in options}
+    secret, encrypt = _pop_security(options)
     return StorageConfig(
         backend=backend, prefetch_policy=policy,
-        backend_options=types.MappingProxyType(options), **knobs,
+        backend_options=types.MappingProxyType(options), secret=secret, encrypt=encrypt,
+        **knobs,
     )
 
 
-# knob -> (type, minimum)
-_KNOBS = {
-    "prefetch_threshold": (int, 1),
-    "prefetch_timeout_base": (float, 0.0),
-    "prefetch_timeout_per_ki_token": (float, 0.0),
-    "prefetch_timeout_max": (float, 0.0),
-}
-
-
-def _pop_knob(options: dict[str, Any], name: str) -> int | float:
-    kind, minimum = _KNOBS[name]
-    value = options.pop(name)
-    ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        ok_type = ok_type and float(value).is_integer()
-    if not ok_type or not math.isfinite(value) or value < minimum:
+def _pop_security(options: dict[str, Any]) -> tuple[StorageSecret | None, bool]:
+    secret = None
+    if SECRET_OPTION in options:
+        secret = StorageSecret.from_option(options.pop(SECRET_OPTION))
+    encrypt = options.pop("storage_encrypt", False)
+    if not isinstance(encrypt, bool):
         raise ValueError(
-            f"invalid {name}={value!r} in hicache_storage_backend_extra_config; "
-            f"expected {'an integer' if kind is int else 'a number'} >= {minimum}"
+            f"invalid storage_encrypt={encrypt!r} in hicache_storage_backend_extra_config; "
+            "expected true or false"
         )
-    return kind(value)
+    if encrypt and secret is None:
+        raise ValueError(
+            "storage_encrypt=true needs storage_secret in hicache_storage_backend_extra_config "
+            "(the encryption key is derived from it); set storage_secret to @/path/to/file"
+        )
+    return secret, encrypt
+
+
+# The prefetch knobs: the StorageConfig fields with a parser, taken out of the
+# extra config.
+_EXTRA = "hicache_storage_backend_extra_config"
+_KNOBS = {f.name: f for f in dataclasses.fields(StorageConfig) if "parse" in f.metadata}
 
 
 def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -114,13 +136,19 @@ def _load_extra(value: Any) -> dict[str, Any]:
     if isinstance(value, Mapping):
         return dict(value)
     if not isinstance(value, str):
-        raise ValueError(f"invalid {key}={value!r}; expected a dict, JSON or @file")
+        raise ValueError(f"invalid {key} of type {type(value).__name__}; expected a dict, "
+                         "JSON or @file")
+    # Errors show a file's name, never inline JSON: it may hold a secret.
+    shown = repr(value) if value.startswith("@") else f"(a JSON string of {len(value)} chars)"
     try:
         loaded = _load_file(value[1:]) if value.startswith("@") else json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"invalid {key} {shown}: {err.msg} at line {err.lineno} column "
+                         f"{err.colno}") from None
     except (OSError, ValueError) as err:
-        raise ValueError(f"invalid {key}={value!r}: {err}") from None
+        raise ValueError(f"invalid {key} {shown}: {err}") from None
     if not isinstance(loaded, dict):
-        raise ValueError(f"invalid {key}={value!r}; expected a JSON object")
+        raise ValueError(f"invalid {key} {shown}; expected a JSON object")
     return loaded
 
 

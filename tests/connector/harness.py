@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -53,6 +54,8 @@ class Harness:
     # Rewrites the workers' message before the scheduler sees it (to delay,
     # reorder or split acknowledgements); None passes it through.
     worker_meta_filter: object = None
+    # What the engine core would send the front end (EngineCoreOutputs), latest steps.
+    engine_outputs: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     @property
     def sched_half(self):
@@ -60,8 +63,11 @@ class Harness:
 
     # --- requests --------------------------------------------------------
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 3, priority: int = 0) -> Request:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 3, priority: int = 0,
+            kv_transfer_params: dict | None = None) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv_transfer_params}
+                            if kv_transfer_params is not None else None)
         sp.update_from_generation_config({}, 2)
         req = Request(req_id, tokens, sp, None, priority=priority,
                       block_hasher=get_request_block_hasher(BLOCK, sha256))
@@ -105,10 +111,12 @@ class Harness:
         w.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
         kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                invalid_block_ids=errors, kv_connector_worker_meta=worker_meta)
+                                invalid_block_ids=errors, kv_connector_worker_meta=worker_meta,
+                                kv_connector_stats=w.get_kv_connector_stats())
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=[[7] for _ in ids], kv_connector_output=kvo)
-        self.scheduler.update_from_output(so, out)
+        for outputs in self.scheduler.update_from_output(so, out).values():
+            self.engine_outputs.append(outputs)
         self.steps += 1
         return so
 

@@ -191,3 +191,44 @@ def test_lookup_backlog_is_bounded(tiny_model_dir, monkeypatch):
         gate.set()
     h.run()
     assert_clean(h)
+
+
+def test_empty_steps_pause_while_a_request_waits_on_l3(tiny_model_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm_hicache.connector import scheduler as scheduler_module
+
+    h, _ = l3_harness(tiny_model_dir)
+    tokens = prompt(27, 4 * BLOCK + 1)
+    h.add("a", tokens)
+    h.run()
+    h.step()
+    forget_l1_and_l2(h)
+    naps: list[float] = []
+    # Only the scheduler half's clock: the harness and the I/O threads keep theirs.
+    monkeypatch.setattr(scheduler_module, "time",
+                        SimpleNamespace(sleep=naps.append, monotonic=time.monotonic))
+    mem_backend.GATES[h.sched_half.l3.backend.store_name] = gate = threading.Event()
+    try:
+        h.add("b", tokens)
+        for _ in range(3):  # the lookup is stuck: nothing can be scheduled
+            so = h.step(complete_async=False)
+            assert so.total_num_scheduled_tokens == 0
+        assert naps == [scheduler_module.EMPTY_STEP_PAUSE_S] * 3
+    finally:
+        gate.set()
+    h.run()
+    assert h.first_computed["b"] == 4 * BLOCK
+    h.add("c", prompt(28, 2 * BLOCK + 1))
+    busy_steps, deadline = 0, time.monotonic() + 10
+    for _ in range(500):
+        if not h.scheduler.has_unfinished_requests() or time.monotonic() > deadline:
+            break
+        before = len(naps)
+        so = h.step()
+        if so.total_num_scheduled_tokens:
+            busy_steps += 1
+            assert len(naps) == before, "a step that computes something paused"
+        else:
+            time.sleep(0.002)  # c's own lookup is still running
+    assert busy_steps > 0 and not h.scheduler.has_unfinished_requests()

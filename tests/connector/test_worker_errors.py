@@ -104,6 +104,9 @@ class RecordingIO:
     def poll(self):
         return {}, set()
 
+    def take_backup_failures(self):
+        return {}
+
     def shutdown(self) -> None:
         pass
 

@@ -11,7 +11,7 @@ import pytest
 from tests.e2e.engine_utils import (
     close, generate, make_llm, prompts_with_shared_prefix, scheduler_half,
 )
-from tests.storage.services_redis import RedisServer
+from tests.storage.redis.services import RedisServer
 
 pytestmark = pytest.mark.engine
 

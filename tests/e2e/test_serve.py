@@ -21,6 +21,7 @@ stopped by terminating their process groups (bounded waits).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import re
@@ -165,10 +166,10 @@ class Server:
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log().splitlines()[-n:])
 
-    def complete(self, prompt: list[int]) -> dict:
+    def complete(self, prompt: list[int], **fields) -> dict:
         body = json.dumps({
             "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True,
+            "ignore_eos": True, "return_token_ids": True, **fields,
         }).encode()
         req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -179,13 +180,22 @@ class Server:
             pytest.fail(f"{self.name} server: completion failed: {err!r}\n{self.log_tail()}")
         choice = out["choices"][0]
         return {"text": choice["text"], "token_ids": choice["token_ids"],
-                "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"]}
+                "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"],
+                "kv_transfer_params": out.get("kv_transfer_params")}
+
+    def metrics_text(self) -> str:
+        with _no_proxy_opener().open(f"{self.url}/metrics", timeout=REQUEST_TIMEOUT_S) as resp:
+            return resp.read().decode()
 
     def metric(self, name: str) -> float:
-        with _no_proxy_opener().open(f"{self.url}/metrics", timeout=REQUEST_TIMEOUT_S) as resp:
-            text = resp.read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith((name + "{", name + " ")))
+        return metric_value(self.metrics_text(), name)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + "{", name + " ")) and all(w in line for w in want))
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -204,14 +214,16 @@ class Run:
     round2: list[dict]
     external_hits: float
     log: str
+    metrics: str = ""
 
 
 def _serve_workload(server: Server) -> Run:
     round1 = [server.complete(p) for p in ROUND1]
     flood = [server.complete(p) for p in FLOOD]
     round2 = [server.complete(p) for p in ROUND2]
-    hits = server.metric("vllm:external_prefix_cache_hits_total")
-    return Run(round1, flood, round2, hits, server.log())
+    metrics = server.metrics_text()
+    hits = metric_value(metrics, "vllm:external_prefix_cache_hits_total")
+    return Run(round1, flood, round2, hits, server.log(), metrics)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -269,9 +281,15 @@ def runs(tiny_model_dir, tmp_path_factory):
         for server in servers.values():
             server.wait_ready()
         out = {name: _serve_workload(servers[name]) for name in ("reference", "hicache")}
+        # A request HiCache cannot read its controls of: answered, not fatal.
+        out["bad_params"] = servers["hicache"].complete(
+            ROUND1[0], kv_transfer_params={"max_load_tokens": -1})
+        out["after_bad_params"] = servers["hicache"].complete(ROUND1[1])
         peer = servers["peer"]
         out["peer"] = peer.complete(ROUND2[0])
-        out["peer_hits"] = peer.metric("vllm:external_prefix_cache_hits_total")
+        out["peer_metrics"] = peer.metrics_text()
+        out["peer_hits"] = metric_value(out["peer_metrics"],
+                                        "vllm:external_prefix_cache_hits_total")
         out["peer_log"] = peer.log()
     finally:
         for server in servers.values():
@@ -331,3 +349,33 @@ def test_l3_serves_another_instance(runs):
     assert (first["text"], first["token_ids"]) == (expected["text"], expected["token_ids"])
     assert first["cached"] >= len(PREFIX), runs["peer_log"][-4000:]
     assert runs["peer_hits"] >= len(PREFIX)
+
+
+def test_metrics_show_hicache_moving(runs):
+    """/metrics of a real server: HiCache's series (metrics.py), and vLLM's
+    per-source hit counter fed by get_external_cache_hit_sources."""
+    text, pages = runs["hicache"].metrics, 2 * 32  # L2 = hicache_ratio 2 x 32 L1 blocks
+    value = functools.partial(metric_value, text)
+    assert value("vllm:hicache_hit_tokens_total", tier="L2") >= len(PREFIX)
+    for op in ("load", "store", "backup"):
+        assert value("vllm:hicache_transfer_bytes_total", op=op) > 0, op
+        assert value("vllm:hicache_transfer_seconds_total", op=op) > 0, op
+    assert value("vllm:hicache_l2_pages_total") == pages
+    assert 0 < value("vllm:hicache_l2_pages_used") <= pages
+    assert value("vllm:prompt_tokens_cached_by_source_total", source="host") >= len(PREFIX)
+    assert value("vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
+    assert "# HELP vllm:hicache_transfer_bytes_total" in text
+    # The peer's hit came from L3: prefetched, then loaded.
+    peer = functools.partial(metric_value, runs["peer_metrics"])
+    assert peer("vllm:hicache_hit_tokens_total", tier="L3") >= len(PREFIX)
+    assert peer("vllm:hicache_transfer_bytes_total", op="prefetch") > 0
+    assert peer("vllm:hicache_prefetches_total", event="started") >= 1
+    assert peer("vllm:prompt_tokens_cached_by_source_total", source="disk") >= len(PREFIX)
+
+
+def test_bad_kv_transfer_params_are_answered(runs):
+    bad, expected = runs["bad_params"], runs["reference"].round1[0]
+    assert (bad["text"], bad["token_ids"]) == (expected["text"], expected["token_ids"])
+    assert "max_load_tokens=-1" in bad["kv_transfer_params"]["hicache_error"]
+    after = runs["after_bad_params"]
+    assert after["token_ids"] == runs["reference"].round1[1]["token_ids"]

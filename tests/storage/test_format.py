@@ -39,3 +39,26 @@ def test_truncated_payload_is_a_miss(payload):
 
 def test_short_header_is_a_miss(payload):
     assert not header_matches(encode_header("k1", payload)[:32], "k1", payload)
+
+
+def test_layout_of_format_2(payload):
+    """The fields' offsets (docs/design.md, storage/format.py)."""
+    header = encode_header("k1", payload)
+    raw = header.tobytes()
+    assert raw[:4] == b"HCKV"
+    assert int.from_bytes(raw[4:6], "little") == 2
+    assert int.from_bytes(raw[6:8], "little") == HEADER_BYTES
+    assert int.from_bytes(raw[8:16], "little") == payload.nbytes
+    assert raw[32] == 0 and raw[33:48] == bytes(15)  # checksum only: no nonce
+
+
+@pytest.mark.parametrize("field, value", [(4, 1), (32, 1), (40, 7)])
+def test_unexpected_version_protection_or_nonce_is_a_miss(payload, field, value):
+    """Even with the checksum recomputed over the changed fields."""
+    from vllm_hicache.storage.format import FIELD_BYTES, checksum
+
+    header = encode_header("k1", payload)
+    header[field] = value
+    header[FIELD_BYTES:] = np.frombuffer(checksum(header[:FIELD_BYTES].tobytes(), payload),
+                                         np.uint8)
+    assert not header_matches(header, "k1", payload)

@@ -28,9 +28,12 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLoader:
-    def __init__(self, transfer, stream=None) -> None:
+    def __init__(self, transfer, stream=None, clock=None, page_bytes: int = 0) -> None:
         self._transfer = transfer
         self._stream = stream
+        # Times the copies for metrics (stats.CopyClock); None: untimed.
+        self._clock = clock
+        self._page_bytes = page_bytes
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="hicache-load") if stream is None else None
         )
@@ -43,16 +46,24 @@ class AsyncLoader:
     def submit(self, job: LoadJob) -> None:
         copy = job.copy
         if self._executor is not None:
-            handle = self._executor.submit(self._transfer.load, copy.block_ids, copy.page_ids)
+            handle = self._executor.submit(self._timed_load, copy.block_ids, copy.page_ids)
         else:
             handle = self._submit_on_stream(job)
         self._inflight[job.req_id] = (job, handle)
+
+    def _timed_load(self, block_ids, page_ids, stream=None) -> None:
+        if self._clock is None:
+            self._transfer.load(block_ids, page_ids)
+            return
+        started = self._clock.start(stream)
+        self._transfer.load(block_ids, page_ids)
+        self._clock.stop(started, "load", len(block_ids) * self._page_bytes, stream)
 
     def _submit_on_stream(self, job: LoadJob):
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             try:
-                self._transfer.load(job.copy.block_ids, job.copy.page_ids)
+                self._timed_load(job.copy.block_ids, job.copy.page_ids, self._stream)
             except Exception:  # a failed copy must become a recompute, not a crash
                 logger.exception("HiCache: async load of %s failed to start", job.req_id)
                 self._failed.add(job.req_id)

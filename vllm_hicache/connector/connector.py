@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,18 +31,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm.platforms import current_platform
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_hicache import log_through_vllm
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
+from vllm_hicache.connector.admin_api import start_admin_api
+from vllm_hicache.connector.l3_attach import make_control
 from vllm_hicache.connector.l3_setup import build_planner, check_shareable_hashes
 from vllm_hicache.connector.geometry import KVGeometry, geometry_from
+from vllm_hicache.connector.kv_events import KVEventLog, kv_events_enabled
 from vllm_hicache.connector.metadata import HiCacheMetadata
+from vllm_hicache.connector.metrics import HiCacheKVConnectorStats, HiCachePromMetrics
 from vllm_hicache.connector.scheduler import HiCacheScheduler
 from vllm_hicache.connector.worker import HiCacheWorker
 from vllm_hicache.kernels import kernel_io_missing
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -93,6 +105,10 @@ def check_speculative_decoding(vllm_config: VllmConfig) -> None:
         f"the connector does not do). Use method {supported}, "
         f"or disable speculative decoding."
     )
+
+
+# Tier -> vLLM's name for it in per-source hit metrics.
+_HIT_SOURCE = {"L2": CacheHitSource.HOST, "L3": CacheHitSource.DISK}
 
 
 # --- start-up logging ------------------------------------------------------
@@ -202,13 +218,18 @@ class HiCacheConnector(KVConnectorBase_V1):
             check_shareable_hashes(vllm_config)
         self.scheduler: HiCacheScheduler | None = None
         self.worker: HiCacheWorker | None = None
+        self._admin_api = None  # the admin HTTP server (scheduler half, if configured)
         if role == KVConnectorRole.SCHEDULER:
             parallel = vllm_config.parallel_config
             l3_factory = (functools.partial(build_planner, cfg, geom, vllm_config)
                           if cfg.storage is not None else None)
             self.scheduler = HiCacheScheduler(cfg, geom, parallel.local_world_size, l3_factory)
+            self.scheduler.events = KVEventLog(kv_events_enabled(vllm_config), geom.block_size)
             logger.info("%s", start_line(cfg, geom, self.scheduler.num_pages,
                                          parallel.local_world_size))
+            # Runtime attach/detach of L3 (l3_attach.py, admin_api.py).
+            self.scheduler.storage_control = make_control(self.scheduler, geom, vllm_config)
+            self._admin_api = start_admin_api(self.scheduler.storage_control, cfg, vllm_config)
         else:
             self.worker = HiCacheWorker(cfg, geom, vllm_config)
 
@@ -268,6 +289,42 @@ class HiCacheConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         return self._sched().reset_cache() if self.scheduler is not None else None
 
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        # L2 is host memory; L3 is storage (files, or a remote store).
+        tiers = self._sched().hit_tiers(request.request_id, num_external_tokens)
+        return {_HIT_SOURCE[tier]: n for tier, n in tiers.items()}
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._sched().take_events() if self.scheduler is not None else ()
+
+    # --- metrics (both halves; metrics.py) ----------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        half = self.scheduler.stats_report if self.scheduler is not None else self._work().stats
+        return HiCacheKVConnectorStats.of(*half())
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        if data is None:
+            return HiCacheKVConnectorStats()
+        # A copy: vLLM's log-interval accumulator adds into it in place.
+        return HiCacheKVConnectorStats(data={"counters": dict(data.get("counters") or {}),
+                                             "gauges": dict(data.get("gauges") or {})})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # --- worker half -------------------------------------------------------
 
     def _work(self) -> HiCacheWorker:
@@ -316,6 +373,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         return self._work().worker_meta()
 
     def shutdown(self) -> None:
+        if self._admin_api is not None:
+            self._admin_api.stop()
         if self.worker is not None:
             self.worker.shutdown()
         if self.scheduler is not None:

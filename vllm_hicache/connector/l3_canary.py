@@ -18,10 +18,12 @@ another page, and compares bytes.
                  this worker (``DisabledPageStore``: reads miss, writes are
                  skipped, the scheduler's ops still complete)
 
-Scratch pages: the canary writes host pages 0 and ``num_pages - 1`` and
-zeroes them again. That is safe because it runs while the worker registers
-its KV caches: no page is indexed (the scheduler hands out pages only in
-metadata of steps that come later) and no L3 job exists yet.
+Scratch pages: at start the canary writes host pages 0 and ``num_pages - 1``
+and zeroes them again. That is safe because it runs while the worker
+registers its KV caches: no page is indexed (the scheduler hands out pages
+only in metadata of steps that come later) and no L3 job exists yet. An L3
+attached at run time (admin API, l3_attach.py) finds L2 in use: there the
+scheduler half allocates two free pages for the canary and passes them in.
 
 The object key is this namespace's key of a reserved block hash,
 ``CANARY_MARK`` + 16 bytes of sha256(tag, TP rank): 32 bytes like vLLM's
@@ -40,7 +42,7 @@ import numpy as np
 import torch
 
 from vllm_hicache.keys import KeyNamespace
-from vllm_hicache.storage.format import HEADER_BYTES, header_matches
+from vllm_hicache.storage.format import HEADER_BYTES
 from vllm_hicache.storage.pages import PageStore
 
 logger = logging.getLogger(__name__)
@@ -73,10 +75,11 @@ class CanaryResult:
     detail: str
 
 
-def run_canary(pages: PageStore) -> CanaryResult:
-    """Round-trip one page through ``pages``; the pool must be unused."""
+def run_canary(pages: PageStore, scratch: tuple[int, int] | None = None) -> CanaryResult:
+    """Round-trip one page through ``pages`` using the two ``scratch`` pages
+    (default: the first and last page, for a pool nothing uses yet)."""
     pool = pages.pool
-    src, dst = 0, pool.num_pages - 1
+    src, dst = scratch if scratch is not None else (0, pool.num_pages - 1)
     hashes = [canary_hash(pages.ns)]
     expected = torch.frombuffer(
         bytearray(canary_pattern(pages.ns, pool.bytes_per_page)), dtype=torch.uint8
@@ -109,19 +112,23 @@ def run_canary(pages: PageStore) -> CanaryResult:
 def _diagnose_unreadable(pages: PageStore, hashes: Sequence[bytes]) -> CanaryResult:
     """The page did not verify: missing (an outage), or present but altered?"""
     [key] = pages.keys(hashes)
+    codec = pages.codec
     header = np.empty(HEADER_BYTES, np.uint8)
     payload = np.empty(pages.pool.bytes_per_page, np.uint8)
+    extra = codec.scratch_bytes(payload.nbytes)
+    scratch = np.empty(extra, np.uint8) if extra else None
+    body = codec.body(payload, scratch)
     try:
-        found = pages.backend.get([key], [[header, payload]])[0]
+        found = pages.backend.get([key], [[header, body]])[0]
     except Exception as e:  # noqa: BLE001
         return CanaryResult(UNAVAILABLE, f"written, then unreadable: get raised {e!r}")
     if not found:
         return CanaryResult(UNAVAILABLE, "written, then not found")
-    if header_matches(header, key, payload):
+    if codec.open(key, header, body, payload, scratch):
         # Intact, yet the page path keeps missing it: misses, not wrong KV.
         return CanaryResult(UNAVAILABLE, "written and intact, but page reads fail")
-    return CanaryResult(FAILED, "the object comes back with other bytes (header or "
-                                "checksum mismatch)")
+    return CanaryResult(FAILED, f"the object comes back with other bytes (header or "
+                                f"{codec.name} mismatch)")
 
 
 def _page_bytes(pool, page: int) -> torch.Tensor:
@@ -129,9 +136,11 @@ def _page_bytes(pool, page: int) -> torch.Tensor:
     return pool.cells()[page].view(torch.uint8)
 
 
-def guard_with_canary(pages: PageStore) -> PageStore | DisabledPageStore:
-    """Run the canary; ``pages`` unless it failed."""
-    result = run_canary(pages)
+def guard_with_canary(pages: PageStore,
+                      scratch: tuple[int, int] | None = None) -> PageStore | DisabledPageStore:
+    """Run the canary (on ``scratch`` pages, see run_canary); ``pages``
+    unless it failed."""
+    result = run_canary(pages, scratch)
     backend, tag = pages.backend.name, pages.ns.tag
     if result.outcome == PASSED:
         logger.info("HiCache L3: canary passed (backend %r, namespace %s)", backend, tag)

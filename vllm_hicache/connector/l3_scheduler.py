@@ -27,10 +27,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from vllm_hicache.connector.daemon_pool import DaemonPool
+from vllm_hicache.connector.kv_events import MEDIUM_L2, MEDIUM_L3, KVEventLog
 from vllm_hicache.connector.metadata import BackupJob, HiCacheWorkerMetadata, PrefetchJob
 from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import KeyNamespace
+from vllm_hicache.policy.prefetch import PrefetchPolicy
 from vllm_hicache.storage import StorageBackend
 from vllm_hicache.storage_config import StorageConfig
 
@@ -58,6 +60,7 @@ class _Lookup:
     future: Future | None = None
     op: _Op | None = None
     done: bool = False         # nothing (more) to wait for
+    timed_out: bool = False    # counted as prefetches{event=timed_out}
 
 
 class StoragePlanner:
@@ -70,6 +73,9 @@ class StoragePlanner:
         self.world_size = world_size
         self.max_inflight_pages = max_inflight_pages
         self.threshold_blocks = max(1, -(-cfg.prefetch_threshold // block_size))
+        self.prefetch_policy = PrefetchPolicy(
+            cfg.prefetch_policy, cfg.prefetch_timeout_base, cfg.prefetch_timeout_per_ki_token,
+            cfg.prefetch_timeout_max)
         self._executor = DaemonPool(1, "hicache-l3-lookup")
         self._lookups: dict[str, _Lookup] = {}
         # Kept by the lookups' completion callbacks (the lookup thread), so a
@@ -85,6 +91,14 @@ class StoragePlanner:
         self.prefetched_blocks = 0
         self.skipped_lookups = 0
         self.backed_up_blocks = 0
+        # For metrics (stats.planner_samples).
+        self.prefetch_started = 0
+        self.prefetch_revoked = 0
+        self.prefetch_incomplete = 0
+        self.prefetch_timed_out = 0
+        self.lookup_errors = 0
+        # Open backup -> hashes some rank failed to write (kv_events.py).
+        self._backup_failures: dict[int, set[bytes]] = {}
 
     # --- lookups -----------------------------------------------------------
 
@@ -97,11 +111,7 @@ class StoragePlanner:
             # request simply gets no L3 hit.
             self.skipped_lookups += 1
             return
-        tokens = (len(chain) - start) * self.block_size
-        # wait_complete too is bounded (docs/design.md, invariant 3): by
-        # prefetch_timeout_max.
-        wait_s = (self.cfg.prefetch_timeout_s(tokens) if self.cfg.prefetch_policy == "timeout"
-                  else self.cfg.prefetch_timeout_max)
+        wait_s = self.prefetch_policy.wait_budget_s((len(chain) - start) * self.block_size)
         lookup = _Lookup(chain, start, time.monotonic() + wait_s)
         with self._pending_lock:
             self._num_pending_lookups += 1
@@ -113,6 +123,8 @@ class StoragePlanner:
         """Completion callback (lookup thread, or here if already done)."""
         with self._pending_lock:
             self._num_pending_lookups -= 1
+        if not lookup.future.cancelled() and lookup.future.exception() is not None:
+            self.lookup_errors += 1  # only this thread writes it
         self._finished_lookups.append((req_id, lookup))
 
     def _exists(self, hashes: tuple[bytes, ...]) -> int:
@@ -126,12 +138,17 @@ class StoragePlanner:
     def must_wait(self, req_id: str) -> bool:
         """Should this request wait (``None`` from get_num_new_matched_tokens)?"""
         lookup = self._lookups.get(req_id)
-        if lookup is None or self.cfg.prefetch_policy == "best_effort" or lookup.done:
+        if lookup is None or not self.prefetch_policy.ever_waits:
             return False
-        if lookup.op is None and lookup.future.done() and self._hit(lookup) < self.threshold_blocks:
+        if (not lookup.done and lookup.op is None and lookup.future.done()
+                and self._hit(lookup) < self.threshold_blocks):
             lookup.done = True  # a miss: nothing to wait for (idempotent)
-            return False
-        return time.monotonic() <= lookup.deadline
+        now = time.monotonic()
+        wait = self.prefetch_policy.should_wait(lookup.done, now, lookup.deadline)
+        if not wait and not lookup.done and not lookup.timed_out and now > lookup.deadline:
+            lookup.timed_out = True
+            self.prefetch_timed_out += 1
+        return wait
 
     @staticmethod
     def _hit(lookup: _Lookup) -> int:
@@ -173,12 +190,16 @@ class StoragePlanner:
         room = self.max_inflight_pages - self._inflight_pages
         num = min(end - start, room)
         if num < self.threshold_blocks:
+            if end - start >= self.threshold_blocks:
+                self.prefetch_revoked += 1  # the in-flight cap
             return None
         pages = alloc(lookup.chain, len(matched), num)
         if pages is None:
+            self.prefetch_revoked += 1  # every page pinned
             return None
         op = _Op(next(self._op_ids), lookup.chain[: start + num], start, pages)
         self._ops[op.op_id] = op
+        self.prefetch_started += 1
         self._inflight_pages += num
         lookup.op, lookup.done = op, False
         return PrefetchJob(op.op_id, op.chain[start:], tuple(pages))
@@ -198,6 +219,30 @@ class StoragePlanner:
     def has_open_prefetches(self) -> bool:
         return bool(self._ops)
 
+    # --- admin (runtime attach, l3_attach.py) --------------------------------
+
+    def in_flight(self) -> dict[str, int]:
+        """Work that still uses the backend: open backups and prefetches,
+        lookups queued or running."""
+        return {"backups": len(self._backups), "prefetches": len(self._ops),
+                "lookups": self._num_pending_lookups}
+
+    def is_backup_open(self, op_id: int) -> bool:
+        return op_id in self._backups
+
+    def update_policy(self, cfg: StorageConfig) -> None:
+        """New prefetch policy and knobs for the same backend and options;
+        lookups already started keep their deadlines."""
+        self.cfg = cfg
+        self.threshold_blocks = max(1, -(-cfg.prefetch_threshold // self.block_size))
+        self.prefetch_policy = PrefetchPolicy(
+            cfg.prefetch_policy, cfg.prefetch_timeout_base, cfg.prefetch_timeout_per_ki_token,
+            cfg.prefetch_timeout_max)
+
+    def awaits_io(self) -> bool:
+        """Lookups still running, or prefetches not yet acknowledged."""
+        return bool(self._ops) or self._num_pending_lookups > 0
+
     def prefetch_pages(self) -> set[int]:
         """Pages open prefetches hold outside the tree (not yet committed)."""
         return {p for op in self._ops.values() for p in op.pages[op.committed:]}
@@ -205,7 +250,7 @@ class StoragePlanner:
     # --- completions -------------------------------------------------------
 
     def on_worker_meta(self, meta: HiCacheWorkerMetadata, tree: HiRadixTree,
-                       ops: PageOps) -> None:
+                       ops: PageOps, events: KVEventLog | None = None) -> None:
         for op_id, by_rank in meta.prefetch.items():
             op = self._ops.get(op_id)
             if op is not None:
@@ -213,39 +258,66 @@ class StoragePlanner:
                     # Never backwards: a rank's count and end only grow.
                     prev_done, prev_finished = op.progress.get(rank, (0, False))
                     op.progress[rank] = (max(done, prev_done), finished or prev_finished)
-                self._advance(op, tree)
+                self._advance(op, tree, events)
+        for op_id, hashes in meta.backup_failures.items():
+            if op_id in self._backups:  # reported before (or with) that rank's ack
+                self._backup_failures.setdefault(op_id, set()).update(hashes)
         for op_id, ranks in meta.backups.items():
-            self._ack_backup(op_id, ranks, ops)
+            self._ack_backup(op_id, ranks, ops, events)
 
-    def _advance(self, op: _Op, tree: HiRadixTree) -> None:
+    def _advance(self, op: _Op, tree: HiRadixTree, events: KVEventLog | None = None) -> None:
         if len(op.progress) < self.world_size:
             return
         done = min(count for count, _ in op.progress.values())
         if done > op.committed:
             new = [None] * (op.start + op.committed) + op.pages[op.committed : done]
-            unused = tree.insert(op.chain[: op.start + done], new)
+            chain = op.chain[: op.start + done]
+            unused = tree.insert(chain, new)
             if unused:
                 tree.free(unused)  # the tree got those blocks another way
+            if events is not None and events.enabled:
+                events.stored(MEDIUM_L2, chain, _placed(tree, chain, new, op.start + op.committed,
+                                                        bool(unused)))
             self.prefetched_blocks += done - op.committed
             op.committed = done
         if all(finished for _, finished in op.progress.values()):
             leftover = op.pages[op.committed :]
             if leftover:
                 tree.free(leftover)
+                self.prefetch_incomplete += 1
+                if events is not None:
+                    # Found by the lookup, then missing or invalid: not
+                    # reachable by prefix from here.
+                    events.removed(MEDIUM_L3, op.chain[op.start + op.committed :],
+                                   self.backend.name)
             self._inflight_pages -= len(op.pages)
             del self._ops[op.op_id]
             for lookup in self._lookups.values():
                 if lookup.op is op:
                     lookup.done = True
 
-    def _ack_backup(self, op_id: int, ranks: set[int], ops: PageOps) -> None:
+    def _ack_backup(self, op_id: int, ranks: set[int], ops: PageOps,
+                    events: KVEventLog | None = None) -> None:
         if op_id not in self._backups:
             return  # a duplicate or late ack of a finished backup
         acked = self._backup_acks.setdefault(op_id, set())
         acked |= ranks
         if len(acked) >= self.world_size:
             del self._backup_acks[op_id]
-            ops.close(self._backups.pop(op_id))
+            op = self._backups.pop(op_id)
+            failed = self._backup_failures.pop(op_id, ())
+            if events is not None and events.enabled:
+                for rng in op.ranges:
+                    blocks = [i for i in rng.blocks if rng.chain[i] not in failed]
+                    events.stored(MEDIUM_L3, rng.chain, blocks, ownership=self.backend.name)
+            ops.close(op)
+
+    def prefetched_range(self, req_id: str) -> tuple[int, int] | None:
+        """Blocks [lo, hi) of the request that its own prefetch put into L2."""
+        lookup = self._lookups.get(req_id)
+        if lookup is None or lookup.op is None:
+            return None
+        return lookup.op.start, lookup.op.start + lookup.op.committed
 
     def clear_storage(self) -> None:
         """Admin: remove every object from L3 (reset_cache leaves L3 alone)."""
@@ -254,3 +326,12 @@ class StoragePlanner:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
+
+
+def _placed(tree: HiRadixTree, chain, new: list, lo: int, some_unused: bool) -> list[int]:
+    """Blocks of ``chain[lo:]`` that now hold the pages in ``new`` (all of
+    them, unless the tree already had some: then look)."""
+    if not some_unused:
+        return list(range(lo, len(new)))
+    pages = tree.match(chain).pages
+    return [i for i in range(lo, len(new)) if i < len(pages) and pages[i] == new[i]]

@@ -6,7 +6,9 @@ has one copy per PP stage), each worker reads and writes its own. What the
 namespace says about the bytes (page format, weights) is l3_identity.py's.
 Each worker keys its objects by the page format it actually has and, where
 that differs from what the scheduler derives, keeps L3 off with an error:
-its objects would sit under keys the scheduler never looks up.
+its objects would sit under keys the scheduler never looks up. With a storage
+secret, both halves put its one-way tag in the namespace and the workers seal
+objects with the codec it selects (storage/sealing.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.storage import StorageContext, create_backend
 from vllm_hicache.storage.format import HEADER_BYTES
 from vllm_hicache.storage.pages import PageStore
+from vllm_hicache.storage.sealing import make_codec
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ def namespace(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, tp_rank: int,
         is_mla=geom.is_mla, page_format=page_format, model_version=cfg.model_version,
         weights_fingerprint=weights_identity(cfg, model, log),
         pp_size=parallel.pipeline_parallel_size, pp_rank=pp_rank,
+        protection=cfg.storage.key_protection if cfg.storage is not None else "",
     )
 
 
@@ -86,7 +90,10 @@ def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, num_pages: 
     )
 
 
-def build_storage_io(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, pool) -> StorageIO:
+def build_storage_io(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, pool,
+                     canary_pages: tuple[int, int] | None = None) -> StorageIO:
+    """``canary_pages``: two free host pages for the canary when L2 is in
+    use (an attach at run time); None at start (l3_canary)."""
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
     storage = cfg.storage
@@ -97,13 +104,21 @@ def build_storage_io(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, pool) ->
     ctx = StorageContext("worker", rank, tp_size, HEADER_BYTES + pool.bytes_per_page)
     backend = create_backend(storage.backend, storage.backend_options, ctx)
     actual = pool_page_format(pool)
+    codec = make_codec(storage.secret, storage.encrypt)
     pages = PageStore(backend, pool, namespace(cfg, geom, vllm_config, rank, pp_rank,
-                                               page_format=actual))
-    return StorageIO(checked_page_store(pages, expected_page_format(cfg, geom, vllm_config)),
+                                               page_format=actual), codec)
+    if rank == 0:
+        logger.info("HiCache L3: objects sealed with %s%s", codec.name,
+                    "" if storage.secret is not None else
+                    " only (no storage_secret: anyone who can write the store can forge objects)")
+    return StorageIO(checked_page_store(pages, expected_page_format(cfg, geom, vllm_config),
+                                        canary_pages),
                      rank, writes=not geom.is_mla or rank == 0)
 
 
-def checked_page_store(pages: PageStore, expected_format: str) -> PageStore | DisabledPageStore:
+def checked_page_store(pages: PageStore, expected_format: str,
+                       canary_pages: tuple[int, int] | None = None,
+                       ) -> PageStore | DisabledPageStore:
     """``pages`` if this worker's objects can be found and read back, else a
     stand-in that keeps L3 off for this worker (see l3_canary)."""
     actual = pages.ns.page_format
@@ -117,4 +132,4 @@ def checked_page_store(pages: PageStore, expected_format: str) -> PageStore | Di
         logger.error("HiCache L3 disabled on this worker (backend %r, namespace %s): %s",
                      pages.backend.name, pages.ns.tag, reason)
         return DisabledPageStore(pages, reason)
-    return guard_with_canary(pages)
+    return guard_with_canary(pages, canary_pages)

@@ -24,6 +24,7 @@ from concurrent.futures import Future, wait
 
 from vllm_hicache.connector.daemon_pool import DaemonPool
 from vllm_hicache.connector.metadata import BackupJob, PrefetchJob
+from vllm_hicache.connector.stats import WorkerCounters, key
 from vllm_hicache.storage.pages import PageStore
 
 logger = logging.getLogger(__name__)
@@ -38,9 +39,13 @@ SHUTDOWN_DRAIN_S = 10.0
 class StorageIO:
     def __init__(
         self, pages: PageStore, tp_rank: int, writes: bool, num_threads: int = 2,
-        drain_timeout_s: float = SHUTDOWN_DRAIN_S,
+        drain_timeout_s: float = SHUTDOWN_DRAIN_S, counters: WorkerCounters | None = None,
     ) -> None:
         self.pages = pages
+        # Metrics (stats.py); the worker half passes its own.
+        self.counters = counters if counters is not None else WorkerCounters()
+        self._page_bytes = pages.pool.bytes_per_page
+        self._invalid_seen = 0
         self.tp_rank = tp_rank
         # MLA keeps one copy: only rank 0 writes, every rank still acks.
         self._writes = writes
@@ -51,6 +56,8 @@ class StorageIO:
         self._lock = threading.Lock()
         self._progress: dict[int, tuple[int, bool]] = {}
         self._backups_done: set[int] = set()
+        # Backup op -> hashes not in L3 after it (KV events), until polled.
+        self._backup_failures: dict[int, set[bytes]] = {}
         # Open jobs, by kind: shutdown drains backups and cancels prefetches.
         self._prefetches: set[Future] = set()
         self._backups: set[Future] = set()
@@ -88,11 +95,13 @@ class StorageIO:
             job = args[0]
             kind = "prefetch" if isinstance(job, PrefetchJob) else "backup"
             logger.warning("HiCache L3 %s of %d pages failed: %r", kind, len(job.pages), exc)
+            self.counters.add(key("l3_errors", "read" if kind == "prefetch" else "write"))
             with self._lock:
                 if isinstance(job, PrefetchJob):
                     done, _ = self._progress.get(job.op_id, (0, False))
                     self._progress[job.op_id] = (done, True)
                 else:
+                    self._backup_failures.setdefault(job.op_id, set()).update(job.hashes)
                     self._backups_done.add(job.op_id)
 
     def _prefetch(self, job: PrefetchJob, ready) -> None:
@@ -101,7 +110,10 @@ class StorageIO:
         done = 0
         for begin in range(0, len(job.pages), BATCH_PAGES):
             end = min(begin + BATCH_PAGES, len(job.pages))
+            started = time.perf_counter()
             good = self.pages.read(job.hashes[begin:end], job.pages[begin:end])
+            self.counters.add_transfer("prefetch", good * self._page_bytes,
+                                       time.perf_counter() - started)
             done += good
             finished = good < end - begin or end == len(job.pages)
             if self._stopping.is_set():
@@ -114,15 +126,41 @@ class StorageIO:
     def _backup(self, job: BackupJob, ready) -> None:
         if ready is not None:
             ready.synchronize()
+        failed: list[bytes] = []
         if self._writes:
             for begin in range(0, len(job.pages), BATCH_PAGES):
                 hashes = job.hashes[begin : begin + BATCH_PAGES]
                 pages = job.pages[begin : begin + BATCH_PAGES]
+                started = time.perf_counter()
                 have = self.pages.exists_prefix(hashes)
                 if have < len(hashes):
-                    self.pages.write(hashes[have:], pages[have:])
+                    stored = self.pages.write(hashes[have:], pages[have:])
+                    failed += [h for h, ok in zip(hashes[have:], stored) if not ok]
+                    num_stored = sum(stored)
+                else:
+                    num_stored = 0
+                self.counters.add_transfer("backup", num_stored * self._page_bytes,
+                                           time.perf_counter() - started)
+                self.counters.add(key("store_skipped_blocks", "L3", "present"), have)
+                self.counters.add(key("store_skipped_blocks", "L3", "rejected"),
+                                  len(hashes) - have - num_stored)
         with self._lock:
+            if failed:
+                self._backup_failures.setdefault(job.op_id, set()).update(failed)
             self._backups_done.add(job.op_id)
+
+    def take_backup_failures(self) -> dict[int, set[bytes]]:
+        """Failures of backups acknowledged in a poll so far (a backup's
+        failures are recorded before its ack)."""
+        with self._lock:
+            failures, self._backup_failures = self._backup_failures, {}
+        return failures
+
+    def take_invalid_objects(self) -> int:
+        """Objects that did not verify since the last call."""
+        total = int(self.pages.stats().get("invalid_objects", 0))
+        new, self._invalid_seen = max(0, total - self._invalid_seen), total
+        return new
 
     def poll(self) -> tuple[dict[int, tuple[int, bool]], set[int]]:
         """Progress of open prefetches (finished ones reported once), and the

@@ -72,6 +72,21 @@ class BackupJob:
     pages: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class StorageCommand:
+    """Attach or detach this rank's L3 client (admin API; l3_attach.py).
+    Run first, before any other operation of its step; acknowledged in
+    ``HiCacheWorkerMetadata.storage_acks``. ``storage_keys``: the
+    ``hicache_storage_*`` keys, as kv_connector_extra_config holds them, that
+    each worker parses as it does at start (may hold a secret: never shown)."""
+
+    cmd_id: int
+    action: str  # "attach" | "detach"
+    storage_keys: dict | None = field(default=None, repr=False)
+    # attach: two free host pages the start canary may use (l3_canary).
+    canary_pages: tuple[int, int] | None = None
+
+
 @dataclass
 class HiCacheMetadata(KVConnectorMetadata):
     evict_stores: BlockCopy = field(default_factory=BlockCopy)
@@ -80,11 +95,12 @@ class HiCacheMetadata(KVConnectorMetadata):
     stores: BlockCopy = field(default_factory=BlockCopy)
     prefetches: list[PrefetchJob] = field(default_factory=list)
     backups: list[BackupJob] = field(default_factory=list)
+    storage_command: StorageCommand | None = None
 
     def is_empty(self) -> bool:
         return not (
             self.evict_stores or self.loads or self.async_loads or self.stores
-            or self.prefetches or self.backups
+            or self.prefetches or self.backups or self.storage_command
         )
 
 
@@ -97,11 +113,16 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
     ``failed_store_pages``: host pages whose L1 -> L2 store raised on some
     rank since its last report. Their bytes are garbage on that rank, so the
     scheduler must drop them from the index (a page is only as good as its
-    worst rank)."""
+    worst rank).
+    ``storage_acks``: StorageCommand id -> rank -> error ("" = done).
+    ``backup_failures``: backup op -> hashes some rank did not get into L3
+    (reported no later than that rank's ack; for KV events)."""
 
     prefetch: dict[int, dict[int, tuple[int, bool]]] = field(default_factory=dict)
     backups: dict[int, set[int]] = field(default_factory=dict)
     failed_store_pages: set[int] = field(default_factory=set)
+    storage_acks: dict[int, dict[int, str]] = field(default_factory=dict)
+    backup_failures: dict[int, set[bytes]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> HiCacheWorkerMetadata:
         assert isinstance(other, HiCacheWorkerMetadata)
@@ -110,6 +131,10 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
         for op_id, ranks in other.backups.items():
             self.backups.setdefault(op_id, set()).update(ranks)
         self.failed_store_pages |= other.failed_store_pages
+        for cmd_id, by_rank in other.storage_acks.items():
+            self.storage_acks.setdefault(cmd_id, {}).update(by_rank)
+        for op_id, hashes in other.backup_failures.items():
+            self.backup_failures.setdefault(op_id, set()).update(hashes)
         return self
 
 

@@ -31,15 +31,21 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vllm_hicache.config import HiCacheConfig
+from vllm_hicache.connector.access_log import open_access_log
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.inflight import InflightLoads
+from vllm_hicache.connector.kv_events import MEDIUM_L2, KVEventLog
+from vllm_hicache.connector.l3_attach import StorageControl
 from vllm_hicache.connector.l3_scheduler import StoragePlanner
 from vllm_hicache.connector.metadata import (
     BlockCopy, BlockPage, HiCacheMetadata, LoadJob, merge_copies,
 )
 from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
+from vllm_hicache.connector.request_params import (
+    DEFAULT_CONTROLS, NO_HICACHE, RequestControls, parse_request_params,
+)
 from vllm_hicache.connector.request_state import ReqState, track_scheduled
-from vllm_hicache.connector.stats import HiCacheStats
+from vllm_hicache.connector.stats import HiCacheStats, SchedulerReport, key
 from vllm_hicache.connector.write_back import WriteBackCopy, WriteBackWatcher
 from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
@@ -56,9 +62,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _RECENT_HITS = 4096
+# Warnings about rejected kv_transfer_params, at most one per this many seconds.
+_PARAM_WARN_INTERVAL_S = 60.0
 # An idle engine keeps stepping for pending L3/async work at most this long
 # without any operation finishing.
 STALLED_WORK_S = 30.0
+# A step that schedules nothing while requests wait on L3 or async loads
+# pauses this long: vLLM's loop would otherwise spin about a thousand empty
+# steps per wait, on the cores the I/O threads need. Costs at most this much
+# latency per completion.
+EMPTY_STEP_PAUSE_S = 0.001
 
 
 class HiCacheScheduler:
@@ -106,6 +119,19 @@ class HiCacheScheduler:
         self._stored_ranges: list[PinnedRange] = []
         # The engine's start line (connector.start_line) reports the sizes.
         self.l3: StoragePlanner | None = l3_factory(self.num_pages) if l3_factory else None
+        # Runtime attach/detach of L3 (admin API); set by the connector.
+        self.storage_control: StorageControl | None = None
+        # KV cache events (kv_events.py); the connector turns them on.
+        self.events = KVEventLog(False, self.block_size)
+        self._report = SchedulerReport()
+        # Per request: controls other than the defaults (request_params.py),
+        # why its kv_transfer_params were rejected, (L2, L3) tokens of its hit.
+        self._controls: dict[str, RequestControls] = {}
+        self._param_errors: dict[str, str] = {}
+        self._hit_tiers: dict[str, tuple[int, int]] = {}
+        self._param_warned_at = -_PARAM_WARN_INTERVAL_S
+        # hicache_access_log, for the capacity planner (a no-op when off).
+        self.access_log = open_access_log(cfg, geom, self.num_pages, local_ranks)
 
     # --- lookup and load -------------------------------------------------
 
@@ -118,6 +144,11 @@ class HiCacheScheduler:
         # that lets the request in (the last call wins).
         self._local_hit_tokens[request.request_id] = num_computed_tokens
         pages = self._hit_pages(request, num_computed_tokens)
+        controls = self._controls.get(request.request_id)
+        if controls is not None and pages:
+            cap = controls.load_block_cap(self.block_size) if controls.loads_l2 else 0
+            if cap is not None:
+                pages = pages[:cap]
         if not pages:
             return 0, False
         start = num_computed_tokens // self.block_size
@@ -144,6 +175,7 @@ class HiCacheScheduler:
         # A use of the whole hit, L1 part included: a prefix vLLM keeps
         # serving from its own cache must not age out of L2 meanwhile.
         self.tree.touch(request.block_hashes, end, priority=-request.priority)
+        self.access_log.admit(request, local, num_external_tokens, self.l3, self._step)
         if num_blocks == 0:
             return
         pages = self._hit_pages(request, local)[:num_blocks]
@@ -161,13 +193,34 @@ class HiCacheScheduler:
         else:
             self._step_loads.append(job)
         self.stats.record_load(num_blocks)
+        self._record_hit_tiers(req_id, start, end)
         self.recent_hit_tokens[req_id] = num_external_tokens
         if len(self.recent_hit_tokens) > _RECENT_HITS:
             self.recent_hit_tokens.popitem(last=False)
 
+    def _record_hit_tiers(self, req_id: str, start: int, end: int) -> None:
+        """Split the hit [start, end) into what was in L2 and what this
+        request's own L3 prefetch brought in."""
+        l3_blocks = 0
+        fetched = self.l3.prefetched_range(req_id) if self.l3 is not None else None
+        if fetched is not None:
+            l3_blocks = max(0, min(end, fetched[1]) - max(start, fetched[0]))
+        tiers = ((end - start - l3_blocks) * self.block_size, l3_blocks * self.block_size)
+        self.stats.record_hit_tokens(*tiers)
+        self._hit_tiers[req_id] = tiers
+
+    def hit_tiers(self, req_id: str, num_tokens: int) -> dict[str, int]:
+        """``num_tokens`` of the request's last hit, by tier (non-zero only)."""
+        l2, l3 = self._hit_tiers.pop(req_id, (num_tokens, 0))
+        if l2 + l3 != num_tokens:
+            l2, l3 = num_tokens, 0
+        return {tier: n for tier, n in (("L2", l2), ("L3", l3)) if n}
+
     # --- per step --------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HiCacheMetadata:
+        if scheduler_output.total_num_scheduled_tokens == 0 and self._awaits_io():
+            time.sleep(EMPTY_STEP_PAUSE_S)
         # Building step N acknowledges step N-1 (see page_ops.py).
         self.ops.close_step(self._step)
         track_scheduled(self._reqs, scheduler_output)
@@ -182,8 +235,13 @@ class HiCacheScheduler:
         )
         self._step_loads, self._step_async_loads = [], []
         self.stats.record_store(len(evict) + len(store_pairs))
+        if self.storage_control is not None:  # admin commands run here, between steps
+            meta.storage_command = self.storage_control.on_step(
+                len(scheduler_output.num_scheduled_tokens))
         if self.l3 is not None:
             meta.backups = self.l3.plan_backup(self.ops, self._stored_ranges, self._step)
+            if self.storage_control is not None:
+                meta.backups += self.storage_control.plan_backfill(self.ops, self._step)
             meta.prefetches = self.l3.plan_prefetches(self.tree, self._alloc_protecting)
         self._stored_ranges = []
         self._step += 1
@@ -217,12 +275,24 @@ class HiCacheScheduler:
             hi = self._completed_blocks(state, num_scheduled)
             if hi <= lo:
                 continue
-            if self._write_back is not None:
-                self._write_back.observe(state.request.block_hashes, lo, hi)
+            store_hi = self._store_limit(req_id, lo, hi)
+            if store_hi <= lo:
+                pass
+            elif self._write_back is not None:
+                self._write_back.observe(state.request.block_hashes, lo, store_hi)
             elif self.write_policy.stores_on_compute:
-                pairs += self._store_range(state, lo, hi)
+                pairs += self._store_range(state, lo, store_hi)
             state.num_planned = hi
         return pairs
+
+    def _store_limit(self, req_id: str, lo: int, hi: int) -> int:
+        """End of the blocks [lo, hi) the request's max_offload_tokens lets us store."""
+        controls = self._controls.get(req_id)
+        limit = controls.store_block_limit(self.block_size) if controls is not None else None
+        if limit is None or hi <= limit:
+            return hi
+        self.stats.record_store_limited(hi - max(lo, limit))
+        return limit
 
     def _store_range(self, state: ReqState, lo: int, hi: int) -> list[BlockPage]:
         hashes = state.request.block_hashes[:hi]
@@ -243,11 +313,11 @@ class HiCacheScheduler:
             if not want:
                 return []
         self._insert_pinned(OpKind.STORE, hashes[: want[-1] + 1], want, pages,
-                            state.request.priority)
+                            state.request.priority, state.request)
         return [BlockPage(state.block_ids[i], page) for i, page in zip(want, pages)]
 
     def _insert_pinned(self, kind: OpKind, chain, blocks: list[int], pages: list[int],
-                       priority: int) -> PageOp:
+                       priority: int, request: Request | None = None) -> PageOp:
         """Index freshly allocated pages and pin them until their store is
         acknowledged, before anything else in this step can allocate."""
         new_pages: list[int | None] = [None] * len(chain)
@@ -255,6 +325,7 @@ class HiCacheScheduler:
             new_pages[i] = page
         unused = self.tree.insert(chain, new_pages, -priority)
         assert not unused, unused  # match() said these blocks had no page
+        self.events.stored(MEDIUM_L2, chain, blocks, request)
         rng = PinnedRange(tuple(chain), tuple(blocks), tuple(pages))
         op = self.ops.open(kind, self._step, [rng])
         if self.l3 is not None:
@@ -283,7 +354,9 @@ class HiCacheScheduler:
                 self.ops.close(op)
         meta = output.kv_connector_worker_meta
         if self.l3 is not None and meta is not None:
-            self.l3.on_worker_meta(meta, self.tree, self.ops)
+            self.l3.on_worker_meta(meta, self.tree, self.ops, self.events)
+        if self.storage_control is not None and meta is not None and meta.storage_acks:
+            self.storage_control.on_acks(meta.storage_acks)
         failed_pages = meta.failed_store_pages if meta is not None else set()
         if output.invalid_block_ids or failed_pages:
             self._drop_failed(set(output.invalid_block_ids or ()), failed_pages)
@@ -315,10 +388,39 @@ class HiCacheScheduler:
 
     def on_new_request(self, request: Request) -> None:
         self._reqs[request.request_id] = ReqState(request)
-        if self.l3 is not None:
+        self.access_log.arrive(request, self._step)
+        controls = self._read_controls(request)
+        if self.l3 is not None and controls.looks_up_l3:
             limit = loadable_block_limit(request.num_tokens, self.block_size)
             chain = tuple(request.block_hashes[:limit])
-            self.l3.start_lookup(request.request_id, chain, self._resident_blocks(chain))
+            resident = self._resident_blocks(chain)
+            cap = controls.load_block_cap(self.block_size)
+            if cap is not None:
+                chain = chain[: resident + cap]
+            self.l3.start_lookup(request.request_id, chain, resident)
+
+    def _read_controls(self, request: Request) -> RequestControls:
+        """The request's kv_transfer_params controls. Bad ones never fail
+        the engine: the request runs without HiCache, the reason goes back
+        in its output's kv_transfer_params (``hicache_error``) and the log."""
+        params = request.kv_transfer_params
+        if not params:
+            return DEFAULT_CONTROLS
+        try:
+            controls = parse_request_params(params)
+        except ValueError as exc:
+            self.stats.record_param_error()
+            self._param_errors[request.request_id] = str(exc)
+            now = time.monotonic()
+            if now - self._param_warned_at >= _PARAM_WARN_INTERVAL_S:
+                self._param_warned_at = now
+                logger.warning("HiCache: request %s served without HiCache: %s "
+                               "(%d such requests so far; logged at most once a minute)",
+                               request.request_id, exc, self.stats.request_param_errors)
+            controls = NO_HICACHE
+        if controls is not DEFAULT_CONTROLS:
+            self._controls[request.request_id] = controls
+        return controls
 
     def _resident_blocks(self, chain: tuple[bytes, ...]) -> int:
         """Leading blocks already in L2 or in vLLM's own cache (L1)."""
@@ -332,14 +434,20 @@ class HiCacheScheduler:
             i += 1
         return i
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, str] | None]:
         # An in-flight async load keeps its pins until the worker reports it:
         # vLLM itself delays freeing the blocks of such a request.
-        self._reqs.pop(request.request_id, None)
-        self._local_hit_tokens.pop(request.request_id, None)
+        req_id = request.request_id
+        self._reqs.pop(req_id, None)
+        self._local_hit_tokens.pop(req_id, None)
+        self._controls.pop(req_id, None)
+        self._hit_tiers.pop(req_id, None)
+        self.access_log.finish(request, len(block_ids), self._step)
         if self.l3 is not None:
-            self.l3.forget(request.request_id)
-        return False, None
+            self.l3.forget(req_id)
+        error = self._param_errors.pop(req_id, None)
+        return False, ({"hicache_error": error} if error is not None else None)
 
     def bind_gpu_block_pool(self, block_pool) -> None:
         self._block_pool = block_pool
@@ -365,22 +473,48 @@ class HiCacheScheduler:
 
     def _on_l2_evict(self, hashes: list[bytes]) -> None:
         self.stats.record_evict(len(hashes))
+        self.events.removed(MEDIUM_L2, hashes)
         if self._write_back is not None:
             self._write_back.forget(hashes)
+
+    def _awaits_io(self) -> bool:
+        """Work only the workers or the L3 threads can finish: backups,
+        async loads, L3 lookups and prefetches."""
+        return bool(self.ops.num_live(OpKind.ASYNC_LOAD) or self.ops.num_live(OpKind.BACKUP)
+                    or (self.l3 is not None and self.l3.awaits_io()))
 
     def has_pending_work(self) -> bool:
         """Operations only the workers can finish (backups, async loads, L3
         prefetches): vLLM keeps stepping while this is True, so their acks
         and pins move on while no request runs. A store that makes no
         progress for ``STALLED_WORK_S`` stops keeping an idle engine busy
-        (its acks then ride on the next request's steps)."""
-        pending = bool(self.ops.num_live(OpKind.ASYNC_LOAD) or self.ops.num_live(OpKind.BACKUP)
-                       or (self.l3 is not None and self.l3.has_open_prefetches()))
+        (its acks then ride on the next request's steps). Admin commands
+        (l3_attach.py) keep it stepping too, each bounded by its own deadlines."""
+        if self.storage_control is not None and self.storage_control.has_work():
+            return True
+        pending = self._awaits_io()
         now = time.monotonic()
         if not pending or len(self.ops) != self._pending_ops_seen:
             self._pending_ops_seen = len(self.ops)
             self._pending_since = now
         return pending and now - self._pending_since < STALLED_WORK_S
+
+    # --- metrics and events ------------------------------------------------
+
+    def stats_report(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Counter increments since the last report and the gauges that
+        changed (stats.py), for get_kv_connector_stats."""
+        tree = self.tree
+        gauges = {
+            key("l2_pages_used"): self.num_pages - tree.num_free_pages,
+            key("l2_pages_pinned"): tree.num_locked_pages,
+            key("l2_pages_total"): self.num_pages,
+        }
+        return self._report.take(self.stats, self.l3, gauges,
+                                 {key("kv_events_dropped"): self.events.dropped})
+
+    def take_events(self) -> list:
+        return self.events.take()
 
     def check_integrity(self) -> None:
         """Raise RuntimeError naming every broken invariant of the scheduler
@@ -392,6 +526,8 @@ class HiCacheScheduler:
             problems.append(f"async loads in flight {sorted(self._inflight.req_ids())} "
                             f"!= pinned async loads {sorted(async_ops)}")
         prefetching = self.l3.prefetch_pages() if self.l3 is not None else set()
+        if self.storage_control is not None:
+            prefetching |= self.storage_control.scratch_pages()  # an attach's canary pages
         allocated = self.tree.allocated_pages()
         if prefetching != allocated:
             problems.append(f"pages allocated but not indexed {sorted(allocated)} are not the "
@@ -400,13 +536,14 @@ class HiCacheScheduler:
             raise RuntimeError("HiCache scheduler integrity: " + "; ".join(problems[:8]))
 
     def shutdown(self) -> None:
+        self.access_log.close()
         if self.l3 is not None:
             self.l3.close()
 
     def reset_cache(self) -> bool:
         """Drop L2 (``reset_prefix_cache(reset_connector=True)``); pinned
         pages stay until their operations end."""
-        self.tree.clear()
+        self.events.removed(MEDIUM_L2, self.tree.clear())
         self.write_policy.clear()
         if self._write_back is not None:
             self._write_back.clear_l2()

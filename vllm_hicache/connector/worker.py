@@ -26,12 +26,14 @@ store or prefetch rewrites them no load or L3 backup on this rank reads them
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.async_loads import AsyncLoader
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
+from vllm_hicache.connector.l3_attach import run_storage_command
 from vllm_hicache.connector.l3_setup import build_storage_io
 from vllm_hicache.connector.l3_worker import StorageIO
 from vllm_hicache.connector.metadata import (
@@ -41,6 +43,7 @@ from vllm_hicache.connector.metadata import (
     HiCacheWorkerMetadata,
     LoadJob,
 )
+from vllm_hicache.connector.stats import CopyClock, WorkerCounters, key, l3_usage_gauges
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor, make_transfer
 
@@ -73,6 +76,14 @@ class HiCacheWorker:
         self._async: AsyncLoader | None = None
         self._evicted_for: HiCacheMetadata | None = None
         self._io: StorageIO | None = None
+        # Acks of admin attach/detach commands (l3_attach.py) not yet reported.
+        self._storage_acks: dict[int, dict[int, str]] = {}
+        # Metrics (stats.py): bytes and seconds of this rank's copies.
+        self.counters = WorkerCounters()
+        self.clock = CopyClock(self.counters)
+        self._l3_gauges_at = 0.0
+        # Backup op -> hashes this rank dropped (garbage pages), not yet reported.
+        self._backup_failures: dict[int, set[bytes]] = {}
 
     # --- set-up ------------------------------------------------------------
 
@@ -105,7 +116,8 @@ class HiCacheWorker:
         self.transfer = make_transfer(cfg.hicache_io_backend, tensors, layouts, self.pool)
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device=device)
-        self._async = AsyncLoader(self.transfer, self._stream)
+        self._async = AsyncLoader(self.transfer, self._stream, self.clock,
+                                  self.pool.bytes_per_page)
         if cfg.storage is not None:
             self._io = build_storage_io(cfg, self.geom, self._vllm_config, self.pool)
         # The engine's one INFO line is the scheduler half's (connector.start_line).
@@ -153,6 +165,8 @@ class HiCacheWorker:
             # A runner that skips handle_preemptions: still copy first.
             self.handle_preemptions(meta)
         self._meta = meta
+        if meta.storage_command is not None:  # before any L3 job of this step
+            self._storage_acks.update(run_storage_command(self, meta.storage_command))
         if meta.prefetches:
             # Prefetch pages may have fed a load a moment ago (CUDA: still
             # queued): the reads start after everything issued so far.
@@ -222,17 +236,26 @@ class HiCacheWorker:
                 self._io.submit_backup(self._without_garbage(job), ready)
 
     def _load_layer(self, layer: int) -> None:
+        started = self.clock.start()
         for job in self._meta.loads:
             self._copy_layer(layer, job)
+        self.clock.stop(started, "load", self._loaded_blocks(self._meta)
+                        * (self.pool.bytes_per_page // self.geom.num_layers))
+
+    def _loaded_blocks(self, meta: HiCacheMetadata) -> int:
+        return sum(len(j.copy) for j in meta.loads if j.req_id not in self._failed_loads)
 
     def _queue_layer_loads(self, meta: HiCacheMetadata) -> None:
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
+            started = self.clock.start(self._stream)
             for layer in range(self.geom.num_layers):
                 for job in meta.loads:
                     self._copy_layer(layer, job)
                 # Recorded whatever failed: wait_for_layer_load needs every event.
                 self._layer_events[layer] = self._record_event()
+            self.clock.stop(started, "load", self._loaded_blocks(meta) * self.pool.bytes_per_page,
+                            self._stream)
 
     def _copy_layer(self, layer: int, job: LoadJob) -> None:
         if job.req_id in self._failed_loads:
@@ -275,20 +298,29 @@ class HiCacheWorker:
         if self._garbage_pages.isdisjoint(job.pages):
             return job
         keep = [i for i, page in enumerate(job.pages) if page not in self._garbage_pages]
+        # Not written: no L3 event may announce them (kv_events.py).
+        self._backup_failures.setdefault(job.op_id, set()).update(
+            h for h, page in zip(job.hashes, job.pages) if page in self._garbage_pages)
         return BackupJob(
             job.op_id, tuple(job.hashes[i] for i in keep), tuple(job.pages[i] for i in keep)
         )
 
     # --- streams (CUDA only; no-ops on CPU) --------------------------------
 
-    def _run_on_stream(self, fn, copy: BlockCopy, after_compute: bool = False) -> None:
+    def _run_on_stream(self, fn, copy: BlockCopy, after_compute: bool = False,
+                       op: str = "store") -> None:
+        num_bytes = len(copy) * self.pool.bytes_per_page
         if self._stream is None:
+            started = self.clock.start()
             fn(copy.block_ids, copy.page_ids)
+            self.clock.stop(started, op, num_bytes)
             return
         if after_compute:
             self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
+            started = self.clock.start(self._stream)
             fn(copy.block_ids, copy.page_ids)
+            self.clock.stop(started, op, num_bytes, self._stream)
 
     def _record_event(self):
         event = torch.cuda.Event()
@@ -319,14 +351,42 @@ class HiCacheWorker:
         # Failed stores are reported with or without L3: the L2 index needs them.
         failed_pages, self._failed_store_pages = self._failed_store_pages, set()
         progress, backups = self._io.poll() if self._io is not None else ({}, set())
-        if not progress and not backups and not failed_pages:
+        storage_acks, self._storage_acks = self._storage_acks, {}
+        backup_failures, self._backup_failures = self._backup_failures, {}
+        if self._io is not None:
+            for op_id, hashes in self._io.take_backup_failures().items():
+                backup_failures.setdefault(op_id, set()).update(hashes)
+        if (not progress and not backups and not failed_pages and not storage_acks
+                and not backup_failures):
             return None
         rank = self._io.tp_rank if self._io is not None else None
         return HiCacheWorkerMetadata(
             prefetch={op: {rank: p} for op, p in progress.items()},
             backups={op: {rank} for op in backups},
             failed_store_pages=failed_pages,
+            storage_acks=storage_acks,
+            backup_failures=backup_failures,
         )
+
+    def stats(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Counter increments since the last call, and gauges (L3 usage,
+        sampled at most once a second), for get_kv_connector_stats."""
+        self.clock.collect()
+        counts = self.counters.take()
+        gauges: dict[str, float] = {}
+        io = self._io
+        if io is not None:
+            if io.counters is not self.counters:  # an L3 client built elsewhere (attach)
+                for k, v in io.counters.take().items():
+                    counts[k] = counts.get(k, 0) + v
+            invalid = io.take_invalid_objects()
+            if invalid:
+                counts[key("l3_errors", "invalid_object")] = invalid
+            now = time.monotonic()
+            if io.tp_rank == 0 and now - self._l3_gauges_at >= 1.0:
+                self._l3_gauges_at = now
+                gauges = l3_usage_gauges(io.pages.backend)
+        return counts, gauges
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -242,6 +242,45 @@ class HiRadixTree:
             stack.extend(node.children.values())
         return PinnedPages(frozenset(indexed), frozenset(orphaned))
 
+    # --- walks (an L3 attached at run time backs up what L2 holds) -------
+
+    def hot_nodes(self) -> list[RadixNode]:
+        """Host-backed nodes, hottest first: by the latest use of the node or
+        of anything below it (a prefix is as hot as its hottest extension),
+        shallower first on ties, so a chain's prefix precedes its extensions.
+        A snapshot, O(n log n); ``node_chain`` says what each still holds."""
+        visited: list[tuple[RadixNode, int]] = []
+        stack = [(child, 1) for child in self._root.children.values()]
+        while stack:
+            node, depth = stack.pop()
+            visited.append((node, depth))
+            stack.extend((child, depth + 1) for child in node.children.values())
+        heat: dict[int, float] = {}
+        for node, _ in reversed(visited):  # every child before its parent
+            heat[node.id] = max([node.last_access_time,
+                                 *(heat[child.id] for child in node.children.values())])
+        ranked = sorted((item for item in visited if item[0].pages is not None),
+                        key=lambda item: (-heat[item[0].id], item[1], item[0].id))
+        return [node for node, _ in ranked]
+
+    def node_chain(self, node: RadixNode) -> tuple[list[bytes], list[int | None]] | None:
+        """The hashes of blocks 0 .. ``node``'s last block, and the page of
+        each (None: placeholder); None if ``node`` has left the index
+        (evicted, invalidated, cleared) since it was handed out."""
+        path: list[RadixNode] = []
+        while node is not self._root:
+            parent = node.parent
+            if parent is None or node.orphaned or parent.children.get(node.key[0]) is not node:
+                return None
+            path.append(node)
+            node = parent
+        chain: list[bytes] = []
+        pages: list[int | None] = []
+        for step in reversed(path):
+            chain.extend(step.key)
+            pages.extend(step.pages if step.pages is not None else [None] * len(step.key))
+        return chain, pages
+
     # --- insert ---------------------------------------------------------
 
     def insert(
@@ -489,10 +528,11 @@ class HiRadixTree:
                 return None
             node = parent
 
-    def clear(self) -> None:
+    def clear(self) -> list[bytes]:
         """Drop every unlocked node (reset_cache); locked paths (and pinned
-        orphans) stay."""
+        orphans) stay. Returns the hashes of the blocks whose pages left."""
         freed: list[int] = []
+        hashes: list[bytes] = []
         stack = [self._root]
         while stack:
             node = stack.pop()
@@ -501,12 +541,13 @@ class HiRadixTree:
                     stack.append(child)
                 else:
                     del node.children[child.key[0]]  # type: ignore[attr-defined]
-                    self._drop_subtree(child, freed)
+                    self._drop_subtree(child, freed, hashes)
             if node is not self._root and not node.children and node.pages is not None:
                 self._queue.add(node)
         self._free.push(freed)
         self._num_cached_pages -= len(freed)
         self._queue.rebuild()
+        return hashes
 
     def _orphan(self, top: RadixNode) -> None:
         """Cut ``top``'s subtree out of the index (it is already unlinked).
@@ -541,13 +582,16 @@ class HiRadixTree:
         if hashes and self._on_evict is not None:
             self._on_evict(hashes)
 
-    def _drop_subtree(self, top: RadixNode, freed: list[int]) -> None:
+    def _drop_subtree(self, top: RadixNode, freed: list[int],
+                      hashes: list[bytes] | None = None) -> None:
         top.parent = None
         stack = [top]
         while stack:
             node = stack.pop()
             if node.pages is not None:
                 freed.extend(node.pages)
+                if hashes is not None:
+                    hashes.extend(node.key)
                 self._queue.discard(node)
             stack.extend(node.children.values())
 

@@ -22,11 +22,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
-Buffers = Sequence[np.ndarray]
+# A forward reference: this module (and the registry) import without numpy,
+# so the configuration layer can name the registered backends.
+Buffers = Sequence["np.ndarray"]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """Backend registry: name -> (module, class), imported on first use.
 
-``dynamic`` loads a user backend: its options carry ``module_path`` and
-``class_name`` (a StorageBackend subclass); the remaining options go to it.
+The names registered here, plus ``dynamic`` (a user's class, storage/dynamic.py),
+are the accepted values of ``hicache_storage_backend``: the configuration
+asks ``backend_names()``, so a backend registered here is accepted there.
+Pure module: nothing is imported until a backend is built, so the
+configuration layer imports it without numpy or a backend's client library.
 """
 
 from __future__ import annotations
@@ -10,26 +13,28 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_hicache.storage import dynamic
 from vllm_hicache.storage.base import StorageBackend, StorageContext
 
 _REGISTRY: dict[str, tuple[str, str]] = {}
 
 
 def register_backend(name: str, module: str, class_name: str) -> None:
-    if name in _REGISTRY:
+    if name in _REGISTRY or name == dynamic.NAME:
         raise ValueError(f"storage backend {name!r} is already registered")
     _REGISTRY[name] = (module, class_name)
 
 
 def backend_names() -> tuple[str, ...]:
-    return (*_REGISTRY, "dynamic")
+    """Every accepted ``hicache_storage_backend``, in registration order."""
+    return (*_REGISTRY, dynamic.NAME)
 
 
 def create_backend(name: str, options: Mapping[str, Any], ctx: StorageContext) -> StorageBackend:
     """Build the backend ``name`` (a value of ``hicache_storage_backend``)."""
     options = dict(options)
-    if name == "dynamic":
-        cls = _load_dynamic(options)
+    if name == dynamic.NAME:
+        cls = dynamic.load_user_backend(options)
     elif name in _REGISTRY:
         module, class_name = _REGISTRY[name]
         cls = getattr(importlib.import_module(module), class_name)
@@ -40,29 +45,7 @@ def create_backend(name: str, options: Mapping[str, Any], ctx: StorageContext) -
     return cls(options, ctx)
 
 
-def _load_dynamic(options: dict[str, Any]) -> type[StorageBackend]:
-    missing = [k for k in ("module_path", "class_name") if not isinstance(options.get(k), str)]
-    if missing:
-        raise ValueError(
-            "hicache_storage_backend=dynamic needs string keys module_path and class_name "
-            f"in hicache_storage_backend_extra_config; missing or not a string: {missing}"
-        )
-    module_path, class_name = options.pop("module_path"), options.pop("class_name")
-    try:
-        cls = getattr(importlib.import_module(module_path), class_name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(
-            f"hicache_storage_backend=dynamic: cannot load {module_path}.{class_name}: {err}"
-        ) from err
-    if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
-        raise ValueError(
-            f"hicache_storage_backend=dynamic: {module_path}.{class_name} is not a "
-            "vllm_hicache.storage.StorageBackend subclass"
-        )
-    return cls
-
-
-register_backend("file", "vllm_hicache.storage.file", "FileBackend")
-register_backend("redis", "vllm_hicache.storage.redis", "RedisBackend")
-register_backend("mooncake", "vllm_hicache.storage.mooncake", "MooncakeBackend")
-register_backend("nixl", "vllm_hicache.storage.nixl", "NixlBackend")
+register_backend("file", "vllm_hicache.storage.file.backend", "FileBackend")
+register_backend("redis", "vllm_hicache.storage.redis.backend", "RedisBackend")
+register_backend("mooncake", "vllm_hicache.storage.mooncake.backend", "MooncakeBackend")
+register_backend("nixl", "vllm_hicache.storage.nixl.backend", "NixlBackend")

@@ -6,15 +6,30 @@ bytes in the pool's layout (storage/format.py). For page-major layouts
 the payload buffer *is* the pool memory (zero copy). ``layer_first`` pages
 are scattered over the layers: they go through a staging copy.
 
-Reads write a page only after its object passed every check (header, key,
-length, checksum), so a bad object never reaches the pool; the result is the
-number of leading pages read successfully (a prefix: L2 stays prefix-closed).
+Objects are sealed and opened by the codec (storage/sealing.py): checksums,
+or with a storage secret a MAC, or authenticated encryption. It runs here,
+above the backend, so every backend (user ones too) stores and returns
+sealed bytes only. The MAC codec checks a batch's objects on several threads
+(it releases the GIL). The encrypting codec cannot store the page itself:
+each object's ciphertext goes through a per-thread scratch buffer, and
+batches are cut so that scratch stays under ``SCRATCH_BYTES``.
+
+Reads index a page only after its object passed every check (header, key,
+length, protection, checksum/MAC/tag); the result is the number of leading
+pages read successfully (a prefix: L2 stays prefix-closed). An object that
+the backend returned but that does not verify (corrupt, forged, or written
+with another secret) is a miss, counted in ``invalid_objects`` and logged at
+most once a minute.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,9 +37,31 @@ import torch
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.storage.base import StorageBackend
-from vllm_hicache.storage.format import HEADER_BYTES, encode_header, header_matches
+from vllm_hicache.storage.batching import chunks, map_slices
+from vllm_hicache.storage.counters import Counters
+from vllm_hicache.storage.format import HEADER_BYTES
+from vllm_hicache.storage.log_throttle import LogThrottle
+from vllm_hicache.storage.sealing import ChecksumCodec, ObjectCodec
 
 logger = logging.getLogger(__name__)
+
+# Most scratch bytes one thread holds for the encrypting codec (one backend
+# call's worth; a bigger batch is cut into several calls).
+SCRATCH_BYTES = 64 << 20
+# Threads that seal and open one batch's objects at once (codecs that release
+# the GIL: keyed BLAKE3), shared by every PageStore of the process.
+_SEAL_THREADS = min(4, os.cpu_count() or 1)
+_seal_executor: ThreadPoolExecutor | None = None
+_seal_executor_lock = threading.Lock()
+
+
+def _seal_pool() -> ThreadPoolExecutor:
+    global _seal_executor
+    with _seal_executor_lock:
+        if _seal_executor is None:
+            _seal_executor = ThreadPoolExecutor(_SEAL_THREADS - 1,
+                                                thread_name_prefix="hicache-seal")
+        return _seal_executor
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -32,10 +69,17 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 class PageStore:
-    def __init__(self, backend: StorageBackend, pool: HostKVPool, ns: KeyNamespace) -> None:
+    def __init__(self, backend: StorageBackend, pool: HostKVPool, ns: KeyNamespace,
+                 codec: ObjectCodec | None = None) -> None:
         self.backend = backend
         self.pool = pool
         self.ns = ns
+        self.codec = codec if codec is not None else ChecksumCodec()
+        # Objects the backend returned that did not verify (see the docstring).
+        self._counts = Counters("invalid_objects")
+        self._invalid_log = LogThrottle()
+        self._scratch = threading.local()
+        self._scratch_bytes = self.codec.scratch_bytes(pool.bytes_per_page)
         self._zero_copy = pool.mem_layout != "layer_first"
         if self._zero_copy:
             backend.register_memory(_as_bytes(pool.buffer))
@@ -54,25 +98,88 @@ class PageStore:
         """Store pages as objects; per-page success."""
         keys = self.keys(hashes)
         payloads = self._payloads(pages)
-        sources = [[encode_header(k, p), p] for k, p in zip(keys, payloads)]
-        return self.backend.put(keys, sources)
+        stored: list[bool] = []
+        for lo, hi in self._chunks(len(keys)):
+            scratch = self._scratch_buffers(hi - lo)
+            headers = [np.empty(HEADER_BYTES, np.uint8) for _ in range(lo, hi)]
+            bodies = self._each(hi - lo, lambda i: self.codec.seal(
+                keys[lo + i], payloads[lo + i], headers[i], scratch[i]))
+            stored += self.backend.put(keys[lo:hi], [list(hb) for hb in zip(headers, bodies)])
+        return stored
 
     def read(self, hashes: Sequence[bytes], pages: Sequence[int]) -> int:
         """Fill ``pages`` from the objects of ``hashes``; leading pages read."""
         keys = self.keys(hashes)
-        headers = [np.empty(HEADER_BYTES, np.uint8) for _ in keys]
         payloads = self._read_targets(pages)
-        ok = self.backend.get(keys, [[h, p] for h, p in zip(headers, payloads)])
         good = 0
-        for key, header, payload, fine in zip(keys, headers, payloads, ok):
-            if not (fine and header_matches(header, key, payload)):
+        for lo, hi in self._chunks(len(keys)):
+            verified = self._read_chunk(keys[lo:hi], payloads[lo:hi])
+            good += verified
+            if verified < hi - lo:
                 break
-            good += 1
         if good < len(keys):
             logger.debug("L3 read: %d of %d objects valid", good, len(keys))
         if not self._zero_copy and good:
             self._scatter(pages[:good], payloads[:good])
         return good
+
+    @property
+    def invalid_objects(self) -> int:
+        return self._counts["invalid_objects"]
+
+    def stats(self) -> dict[str, float]:
+        return self._counts.snapshot()
+
+    def _read_chunk(self, keys: list[str], payloads: list[np.ndarray]) -> int:
+        """Read and open one backend call's objects; leading objects valid."""
+        scratch = self._scratch_buffers(len(keys))
+        headers = [np.empty(HEADER_BYTES, np.uint8) for _ in keys]
+        bodies = [self.codec.body(p, buf) for p, buf in zip(payloads, scratch)]
+        found = self.backend.get(keys, [[h, b] for h, b in zip(headers, bodies)])
+        n = next((i for i, fine in enumerate(found) if not fine), len(keys))
+        opened = self._each(n, lambda i: self.codec.open(
+            keys[i], headers[i], bodies[i], payloads[i], scratch[i]))
+        for i, ok in enumerate(opened):
+            if not ok:
+                self._note_invalid(keys[i])
+                return i
+        return n
+
+    def _note_invalid(self, key: str) -> None:
+        count = self._counts.bump("invalid_objects")
+        if not self._invalid_log.ready():
+            return
+        logger.warning(
+            "HiCache L3 (backend %r): object %s did not verify (%s) and is a miss; %d so "
+            "far. Corrupt, or written by someone without this instance's storage_secret",
+            self.backend.name, key, self.codec.name, count,
+        )
+
+    # --- batches and scratch -------------------------------------------------
+
+    def _each(self, n: int, fn: Callable[[int], Any]) -> list[Any]:
+        """``[fn(i) for i in range(n)]``; for a codec that releases the GIL,
+        spread in contiguous slices over the seal threads (this one runs the
+        first), so checking a batch scales with the cores."""
+        workers = _SEAL_THREADS if self.codec.releases_gil else 1
+        return map_slices(fn, range(n), workers, _seal_pool)
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) ranges of one backend call each: the whole batch, unless
+        the codec needs scratch (then at most SCRATCH_BYTES of it per call)."""
+        spans = chunks([self._scratch_bytes] * n, max_bytes=SCRATCH_BYTES)
+        return [(span.start, span.stop) for span in spans]
+
+    def _scratch_buffers(self, count: int) -> list[np.ndarray | None]:
+        """``count`` scratch buffers of this thread (reused: fresh memory
+        would be page-faulted on every call)."""
+        size = self._scratch_bytes
+        if not size:
+            return [None] * count
+        arena = getattr(self._scratch, "arena", None)
+        if arena is None or arena.nbytes < count * size:
+            arena = self._scratch.arena = np.empty(count * size, np.uint8)
+        return [arena[i * size:(i + 1) * size] for i in range(count)]
 
     # --- payload buffers ---------------------------------------------------
 

@@ -1,0 +1,51 @@
+"""Prefetch policies: how long a request may wait for its L3 -> L2 prefetch.
+
+Named as SGLang's ``--hicache-storage-prefetch-policy``:
+
+- best_effort: never waits; the request runs with whatever L2 holds when it
+  is scheduled, and a prefetch still running helps later requests only.
+- wait_complete: waits until the prefetch ends, but never past
+  ``prefetch_timeout_max`` (a stuck store must not stall a request).
+- timeout: waits until the prefetch ends or its budget runs out:
+  ``prefetch_timeout_base + prefetch_timeout_per_ki_token x tokens / 1024``,
+  capped by ``prefetch_timeout_max``.
+
+Pure module: the L3 planner asks it, and keeps the lookups and deadlines.
+"""
+
+from __future__ import annotations
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+class PrefetchPolicy:
+    """Asked by the L3 planner when a lookup starts (``wait_budget_s``) and
+    each time vLLM offers the request a slot (``should_wait``)."""
+
+    def __init__(self, name: str, timeout_base_s: float, timeout_per_ki_token_s: float,
+                 timeout_max_s: float) -> None:
+        if name not in PREFETCH_POLICIES:
+            raise ValueError(f"unknown hicache_storage_prefetch_policy {name!r}; "
+                             f"accepted: {', '.join(PREFETCH_POLICIES)}")
+        self.name = name
+        self.timeout_base_s = timeout_base_s
+        self.timeout_per_ki_token_s = timeout_per_ki_token_s
+        self.timeout_max_s = timeout_max_s
+
+    @property
+    def ever_waits(self) -> bool:
+        return self.name != "best_effort"
+
+    def wait_budget_s(self, num_tokens: int) -> float:
+        """Longest wait for a prefetch of ``num_tokens`` tokens."""
+        if self.name == "best_effort":
+            return 0.0
+        if self.name == "wait_complete":
+            return self.timeout_max_s
+        wait = self.timeout_base_s + self.timeout_per_ki_token_s * num_tokens / 1024
+        return min(wait, self.timeout_max_s)
+
+    def should_wait(self, prefetch_over: bool, now: float, deadline: float) -> bool:
+        """Keep the request waiting? ``prefetch_over``: the lookup missed or
+        the prefetch ended, one way or another."""
+        return self.ever_waits and not prefetch_over and now <= deadline

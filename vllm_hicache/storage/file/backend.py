@@ -1,0 +1,283 @@
+"""``file``: the embedded L3 — one file per object in a local or shared directory.
+
+On-disk layout under ``path``::
+
+    <path>/.hicache-usage             max_bytes accounting (capacity.py)
+    <path>/<aa>/<bb>/<key>.hckv       one object: its buffers concatenated
+    <path>/<aa>/<bb>/.<key>.<16 hex>.tmp   a write in progress
+
+``aabb`` is the low 16 bits of CRC-32(key) in hex: 65,536 leaf directories,
+created on first use, keep every directory small. A key must
+match ``[a-z0-9_-]{1,200}``; any other key is a miss (get/exists) or a
+failed put, so no key can name a path outside the directory.
+
+Invariants:
+
+- Readers never see a partial object: a put writes a unique temp file in the
+  object's directory, then ``os.replace``s it over the final name. Several
+  processes may share the directory (one per TP rank and instance, or many
+  machines on a shared file system).
+- A get is True only if the file is exactly as long as the caller's buffers
+  and was read whole; a truncated or longer file is a miss. Buffers move with
+  ``writev``/``preadv`` straight to and from the file, never concatenated.
+- With ``max_bytes``, committed objects never exceed it (in-flight temp files
+  come on top); least recently used objects are evicted whole, and an object
+  larger than ``max_bytes`` is refused. All processes sharing a directory
+  should use the same ``max_bytes``.
+- ``clear`` removes only files named like objects or temp files.
+- Files are created ``file_mode`` (0600) and directories ``dir_mode`` (0700),
+  whatever the umask. A store directory that others can write to (world-
+  writable, or not owned by this user) is refused at start unless
+  ``allow_shared_dir``: whoever can write it can replace objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vllm_hicache.storage.base import Buffers, StorageBackend, StorageContext
+from vllm_hicache.storage.batching import map_slices
+from vllm_hicache.storage.buffers import total_bytes
+from vllm_hicache.storage.counters import Counters
+from vllm_hicache.storage.file import io as file_io
+from vllm_hicache.storage.file.capacity import Capacity, Pending
+from vllm_hicache.storage.file.config import FileBackendConfig
+from vllm_hicache.storage.log_throttle import LogThrottle
+
+logger = logging.getLogger(__name__)
+
+# Start-up must fail within the interface's 30 s even on a hung network mount.
+_STARTUP_TIMEOUT_S = 20.0
+
+
+class FileBackend(StorageBackend):
+    """Objects as files under a directory (see the module docstring); options:
+    FileBackendConfig (config.py)."""
+
+    name = "file"
+
+    def __init__(self, options: Mapping[str, Any], ctx: StorageContext) -> None:
+        self.config = FileBackendConfig.from_options(options)
+        self.root = self.config.path
+        self._umask = file_io.process_umask()
+        self._capacity = _open_root(self.config, self._umask)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._known_dirs: set[str] = set()
+        self._counts = Counters("gets", "get_hits", "get_bytes", "puts", "put_ok", "put_bytes",
+                                "errors")
+        self._error_log = LogThrottle()
+        self._closed = False
+        max_bytes = self.config.max_bytes
+        logger.info("file L3 (%s) at %s: capacity %s, %d I/O threads, fsync=%s, modes %04o/%04o",
+                    ctx.role, self.root, f"{max_bytes} B = {max_bytes / 2**30:.2f} GiB = "
+                    f"{max_bytes // max(ctx.object_bytes, 1)} objects of {ctx.object_bytes} B"
+                    if max_bytes else "unlimited", self.config.num_io_threads, self.config.fsync,
+                    self.config.file_mode, self.config.dir_mode)
+
+    # --- StorageBackend ---
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        found = 0
+        for key in keys:
+            if self._closed or not file_io.valid_key(key):
+                break
+            if not os.path.isfile(file_io.object_path(self.root, key)):
+                break
+            found += 1
+        return found
+
+    def get(self, keys: Sequence[str], targets: Sequence[Buffers]) -> list[bool]:
+        assert len(keys) == len(targets), (len(keys), len(targets))
+        sizes = self._map(self._get_one, list(zip(keys, targets)))
+        hits = [size is not None for size in sizes]
+        self._counts.add(gets=len(keys), get_hits=sum(hits), get_bytes=sum(s for s in sizes if s))
+        return hits
+
+    def put(self, keys: Sequence[str], sources: Sequence[Buffers]) -> list[bool]:
+        assert len(keys) == len(sources), (len(keys), len(sources))
+        items = list(zip(keys, sources))
+        if self._capacity.limited:
+            # Write in parallel, then publish the batch under one shared lock.
+            written = self._map(self._write_one, items)
+            done = self._commit([p for p in written if p])
+            sizes = [p.size if p and done[p.tmp] else None for p in written]
+        else:
+            sizes = self._map(self._put_one, items)
+        stored = [size is not None for size in sizes]
+        self._counts.add(puts=len(keys), put_ok=sum(stored), put_bytes=sum(s for s in sizes if s))
+        return stored
+
+    def clear(self) -> None:
+        self._capacity.clear()
+
+    def stats(self) -> dict[str, float]:
+        counts = self._counts.snapshot()
+        counts["evictions"] = float(self._capacity.evictions)
+        counts["evicted_bytes"] = float(self._capacity.evicted_bytes)
+        counts["usage_bytes"] = float(self._capacity.usage_bytes)
+        return counts
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._capacity.close()
+
+    # --- one object ---
+
+    def _get_one(self, key: str, buffers: Buffers) -> int | None:
+        """Bytes read, or None: a miss."""
+        if not file_io.valid_key(key):
+            return None
+        path = file_io.object_path(self.root, key)
+        size = file_io.read_object(path, buffers)
+        if size < 0:
+            return None
+        if self._capacity.touch(key):
+            try:
+                os.utime(path)  # the LRU clock other processes' rescans sort by
+            except OSError:  # evicted meanwhile: the read was still whole
+                pass
+        return size
+
+    def _write_one(self, key: str, buffers: Buffers) -> Pending | None:
+        """Write the temp file of one object (not yet visible)."""
+        size = total_bytes(buffers)
+        if not file_io.valid_key(key) or (self._capacity.limited and size > self.config.max_bytes):
+            return None
+        final = file_io.object_path(self.root, key)
+        directory = os.path.dirname(final)
+        cfg = self.config
+        if directory not in self._known_dirs:
+            file_io.make_fanout_dirs(final, cfg.dir_mode, self._umask)
+            self._known_dirs.add(directory)
+        try:
+            tmp = file_io.write_temp(final, buffers, cfg.fsync, cfg.file_mode, self._umask)
+        except FileNotFoundError:  # directory removed behind our back
+            file_io.make_fanout_dirs(final, cfg.dir_mode, self._umask)
+            tmp = file_io.write_temp(final, buffers, cfg.fsync, cfg.file_mode, self._umask)
+        return Pending(key, final, tmp, size)
+
+    def _put_one(self, key: str, buffers: Buffers) -> int | None:
+        """Write and publish one object (no capacity: no shared lock); its
+        bytes, or None: not stored."""
+        pending = self._write_one(key, buffers)
+        if pending is None:
+            return None
+        try:
+            os.replace(pending.tmp, pending.final)
+        except OSError:
+            file_io.discard(pending.tmp)
+            raise
+        if self.config.fsync:
+            file_io.fsync_dir(os.path.dirname(pending.final))
+        return pending.size
+
+    def _commit(self, pending: list[Pending]) -> dict[str, bool]:
+        try:
+            done = self._capacity.commit(pending)
+        except Exception:  # noqa: BLE001 - a failed commit is a failed put
+            self._note_error("commit")
+            for p in pending:
+                file_io.discard(p.tmp)
+            done = [False] * len(pending)
+        if self.config.fsync:  # a rename is durable once its directory is
+            synced = {d: self._fsync_dir(d) for d, ok in
+                      zip((os.path.dirname(p.final) for p in pending), done) if ok}
+            done = [ok and synced[os.path.dirname(p.final)] for p, ok in zip(pending, done)]
+        return {p.tmp: ok for p, ok in zip(pending, done)}
+
+    def _fsync_dir(self, directory: str) -> bool:
+        try:
+            file_io.fsync_dir(directory)
+            return True
+        except OSError:
+            self._note_error("fsync")
+            return False
+
+    # --- batches ---
+
+    def _map(self, fn: Callable[..., Any], items: list[tuple[str, Buffers]]) -> list[Any]:
+        """``fn(*item)`` for every item, in order; the batch split into
+        contiguous slices run in parallel; an exception is a None."""
+        def one(item: tuple[str, Buffers]) -> Any:
+            try:
+                return fn(*item)
+            except Exception:  # noqa: BLE001 - per-key failure is a miss
+                self._note_error(fn.__name__)
+                return None
+
+        if self._closed:
+            return [None] * len(items)
+        try:
+            return map_slices(one, items, self.config.num_io_threads, self._executor)
+        except RuntimeError:  # closed meanwhile
+            return [None] * len(items)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("file backend is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.config.num_io_threads,
+                                                thread_name_prefix="hicache-file")
+            return self._pool
+
+    def _note_error(self, where: str) -> None:
+        errors = self._counts.bump("errors")
+        # With its traceback at most once a minute; every failure is counted (stats).
+        if self._error_log.ready():
+            logger.warning("file L3 at %s: %s failed (%d failures so far); counted as a miss",
+                           self.root, where, errors, exc_info=True)
+
+
+def _open_root(cfg: FileBackendConfig, umask: int) -> Capacity:
+    """Check the directory is usable and ours (in a thread, so a hung mount
+    cannot hang start-up) and open its capacity accounting; ValueError if not."""
+    root = cfg.path
+    outcome: list[Capacity | OSError | ValueError] = []
+
+    def probe() -> None:
+        try:
+            _probe_writable(cfg, umask)
+            outcome.append(Capacity(root, cfg.max_bytes, cfg.file_mode))
+        except (OSError, ValueError) as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=probe, name="hicache-file-probe", daemon=True)
+    thread.start()
+    thread.join(_STARTUP_TIMEOUT_S)
+    if not outcome:
+        raise ValueError(f"file backend: directory {root!r} did not answer within "
+                         f"{_STARTUP_TIMEOUT_S:.0f} s (a hung mount?)")
+    if isinstance(outcome[0], ValueError):
+        raise outcome[0]
+    if isinstance(outcome[0], OSError):
+        raise ValueError(f"file backend: cannot use directory {root!r}: {outcome[0]}")
+    return outcome[0]
+
+
+def _probe_writable(cfg: FileBackendConfig, umask: int) -> None:
+    """Create the directory (``dir_mode``), check who can write it, and prove
+    a file can be created and removed in it."""
+    root = cfg.path
+    parent = os.path.dirname(root)
+    if parent != root:
+        os.makedirs(parent, exist_ok=True)
+    file_io.make_dir(root, cfg.dir_mode, umask)
+    file_io.check_owner(root, cfg.allow_shared_dir)
+    probe = os.path.join(root, f".probe-{uuid.uuid4().hex}")
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cfg.file_mode)
+    os.close(fd)
+    os.unlink(probe)

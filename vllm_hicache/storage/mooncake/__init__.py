@@ -1,0 +1,7 @@
+"""The ``mooncake`` L3 backend: one Mooncake Store object per L3 object.
+
+- backend.py  MooncakeBackend: the on-store format, results, outages
+- config.py   its options (MooncakeConfig) and the deployment they assume
+- memory.py   registered memory: zero copy, staging buffers, chunk plans
+- master.py   reaching the master: a bounded start, failing fast while it is down
+"""
