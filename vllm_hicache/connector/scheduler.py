@@ -46,6 +46,7 @@ from vllm_hicache.connector.request_params import (
 )
 from vllm_hicache.connector.request_state import ReqState, track_scheduled
 from vllm_hicache.connector.stats import HiCacheStats, SchedulerReport, key
+from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_has_block
 from vllm_hicache.connector.write_back import WriteBackCopy, WriteBackWatcher
 from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
@@ -373,7 +374,7 @@ class HiCacheScheduler:
             # blocks (and those computed on top of them) in its prefix cache
             # until the request recomputes them: any request scheduled
             # meanwhile would hit them, and we would store what it read.
-            self._block_pool.evict_blocks(self._blocks_from_first_failure(l1_blocks))
+            drop_l1_blocks(self._block_pool, self._blocks_from_first_failure(l1_blocks))
 
     def _blocks_from_first_failure(self, l1_blocks: set[int]) -> set[int]:
         """The failed blocks, and every later block of the requests that own
@@ -425,11 +426,11 @@ class HiCacheScheduler:
     def _resident_blocks(self, chain: tuple[bytes, ...]) -> int:
         """Leading blocks already in L2 or in vLLM's own cache (L1)."""
         pages = self.tree.match(chain).pages
-        cached = self._block_pool.get_cached_block if self._block_pool is not None else None
+        pool = self._block_pool
         i = 0
         while i < len(chain) and (
             (i < len(pages) and pages[i] is not None)
-            or (cached is not None and cached(chain[i], [0]) is not None)
+            or (pool is not None and l1_has_block(pool, chain[i]))
         ):
             i += 1
         return i

@@ -58,3 +58,78 @@ def engine_loop_waker() -> Callable[[], None] | None:
             return lambda: queue.put_nowait((wakeup, None))
         frame = frame.f_back
     return None
+
+
+# --- vLLM's BlockPool (the L1 prefix cache), handed over by bind_gpu_block_pool
+
+
+def watch_block_pool(pool, on_reuse: Callable[[object], None],
+                     on_reset: Callable[[list[tuple[object, int]]], None]) -> None:
+    """Call ``on_reuse(block)`` for each cached block vLLM is about to hand
+    out again (its KV is about to be overwritten), and ``on_reset(cached)``
+    with the ``(block_hash, block_id)`` of every cached block a successful
+    ``reset_prefix_cache`` dropped (taken before the reset clears them).
+
+    Why: write-back (write_back.py) copies a block to L2 only when L1 is about
+    to lose it, and vLLM 0.32 gives connectors no eviction callback. So the
+    pool's allocation path is wrapped: ``get_new_blocks`` calls
+    ``_maybe_evict_cached_block`` for every block it takes from the free
+    queue, and a call inside ``get_new_blocks`` is a reuse (``evict_blocks``
+    calls it too, for blocks whose load failed: those must not reach L2).
+
+    Breaks if vLLM: renames ``BlockPool.get_new_blocks``,
+    ``_maybe_evict_cached_block``, ``reset_prefix_cache`` or ``blocks``;
+    evicts cached blocks on another path; or changes ``block_hash`` /
+    ``block_id`` on its blocks. Write-back then stores nothing (or raises at
+    start on a rename); tests/connector/test_write_back.py and the write_back
+    rows of tests/e2e/test_engine_matrix.py fail.
+    """
+    get_new_blocks = pool.get_new_blocks
+    maybe_evict = pool._maybe_evict_cached_block
+    reset = pool.reset_prefix_cache
+    in_alloc = [False]
+
+    def watched_get_new_blocks(num_blocks: int):
+        in_alloc[0] = True
+        try:
+            return get_new_blocks(num_blocks)
+        finally:
+            in_alloc[0] = False
+
+    def watched_maybe_evict(block) -> bool:
+        if in_alloc[0] and block.block_hash is not None:
+            on_reuse(block)
+        return maybe_evict(block)
+
+    def watched_reset() -> bool:
+        cached = [(b.block_hash, b.block_id) for b in pool.blocks if b.block_hash is not None]
+        ok = reset()
+        if ok:
+            on_reset(cached)
+        return ok
+
+    pool.get_new_blocks = watched_get_new_blocks
+    pool._maybe_evict_cached_block = watched_maybe_evict
+    pool.reset_prefix_cache = watched_reset
+
+
+def l1_has_block(pool, block_hash: bytes) -> bool:
+    """Is this block hash cached in vLLM's L1 (first KV cache group)?
+
+    Breaks if vLLM changes ``BlockPool.get_cached_block(block_hash,
+    kv_cache_group_ids)`` (a public method of an internal class): L3 lookups
+    then start at block 0 and look up blocks L1 already has (slower, never
+    wrong); tests/connector/test_l3_scheduler.py notices.
+    """
+    return pool.get_cached_block(block_hash, [0]) is not None
+
+
+def drop_l1_blocks(pool, block_ids: set[int]) -> None:
+    """Take these blocks out of vLLM's prefix cache (their KV is wrong).
+
+    Breaks if vLLM renames ``BlockPool.evict_blocks``; then a block whose load
+    failed could be hit by another request before it is recomputed:
+    tests/connector/test_scheduler_hardening.py
+    (test_failed_load_leaves_vllms_prefix_cache_too) fails.
+    """
+    pool.evict_blocks(block_ids)

@@ -47,6 +47,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from vllm_hicache.connector.vllm_compat import watch_block_pool
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import block_hash_of_group_key
 
@@ -80,45 +81,16 @@ class WriteBackWatcher:
         self._parked: OrderedDict[bytes, None] = OrderedDict()
         self._relays: set[bytes] = set()
         self._in_l2: set[bytes] = set()
-        self._in_alloc = False
         # Called after a successful reset_prefix_cache: it runs between steps,
         # so the scheduler may plan (and index) those write-backs at once and
         # the very next step can already hit them.
         self._on_reset = on_reset
-        self._wrap(block_pool)
+        watch_block_pool(block_pool, self._record, self._record_reset)
 
-    def _wrap(self, pool) -> None:
-        get_new_blocks = pool.get_new_blocks
-        maybe_evict = pool._maybe_evict_cached_block
-        reset = pool.reset_prefix_cache
-
-        def watched_get_new_blocks(num_blocks: int):
-            self._in_alloc = True
-            try:
-                return get_new_blocks(num_blocks)
-            finally:
-                self._in_alloc = False
-
-        def watched_maybe_evict(block) -> bool:
-            # Only reuse matters: evict_blocks() drops blocks that failed to
-            # load, and those must never reach L2.
-            if self._in_alloc and block.block_hash is not None:
-                self._record(block)
-            return maybe_evict(block)
-
-        def watched_reset() -> bool:
-            cached = [b for b in pool.blocks if b.block_hash is not None]
-            snapshot = [(block_hash_of_group_key(b.block_hash), b.block_id) for b in cached]
-            ok = reset()
-            if ok:
-                self._evicted += snapshot
-                if self._on_reset is not None:
-                    self._on_reset()
-            return ok
-
-        pool.get_new_blocks = watched_get_new_blocks
-        pool._maybe_evict_cached_block = watched_maybe_evict
-        pool.reset_prefix_cache = watched_reset
+    def _record_reset(self, cached) -> None:
+        self._evicted += [(block_hash_of_group_key(key), block_id) for key, block_id in cached]
+        if self._on_reset is not None:
+            self._on_reset()
 
     def _record(self, block) -> None:
         self._evicted.append((block_hash_of_group_key(block.block_hash), block.block_id))
