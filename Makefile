@@ -22,9 +22,9 @@ $(STAMP): pyproject.toml scripts/install_system_deps.sh
 	scripts/install_system_deps.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PIP) install -e ".[cuda,redis,mooncake-cuda,test]" "nixl==1.5.1"; \
+		$(PIP) install -e ".[cuda,redis,mooncake-cuda,test,bench]" "nixl==1.5.1"; \
 	else \
-		$(PIP) install -e ".[cpu,redis,mooncake,test]" && \
+		$(PIP) install -e ".[cpu,redis,mooncake,test,bench]" && \
 		$(PIP) install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1" && \
 		$(PIP) uninstall -y torchvision torchaudio torchcodec; \
 		$(PY) -c "import triton" 2>/dev/null || $(PIP) install "triton==3.9.0"; \
