@@ -37,8 +37,8 @@ def test_extra_config_as_json_and_file(tmp_path):
     assert (st.backend_options["path"], st.prefetch_threshold) == ("/b", 32)
     t = tmp_path / "l3.toml"
     t.write_text('path = "/c"\n')
-    assert make_config(hicache_storage_backend="file",
-                       hicache_storage_backend_extra_config=f"@{t}").storage.backend_options["path"] == "/c"
+    cfg = make_config(hicache_storage_backend="file", hicache_storage_backend_extra_config=f"@{t}")
+    assert cfg.storage.backend_options["path"] == "/c"
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -48,9 +48,11 @@ def test_extra_config_as_json_and_file(tmp_path):
     ({"hicache_storage_backend": "file",
       "hicache_storage_backend_extra_config": {"prefetch_threshold": 0}}, "prefetch_threshold=0"),
     ({"hicache_storage_backend": "file",
-      "hicache_storage_backend_extra_config": {"prefetch_threshold": 1.5}}, "prefetch_threshold=1.5"),
+      "hicache_storage_backend_extra_config": {"prefetch_threshold": 1.5}},
+     "prefetch_threshold=1.5"),
     ({"hicache_storage_backend": "file",
-      "hicache_storage_backend_extra_config": {"prefetch_timeout_base": -1}}, "prefetch_timeout_base"),
+      "hicache_storage_backend_extra_config": {"prefetch_timeout_base": -1}},
+     "prefetch_timeout_base"),
     ({"hicache_storage_backend": "file", "hicache_storage_backend_extra_config": "{not json"},
      "hicache_storage_backend_extra_config"),
     ({"hicache_storage_backend": "file", "hicache_storage_backend_extra_config": "[1, 2]"},
@@ -117,7 +119,7 @@ def test_secret_never_shown_in_repr_or_errors():
     for text in (repr(st), str(st), repr(cfg), repr(st.secret), f"{st.secret}", st.key_protection):
         assert SECRET not in text
     # An extra config given as a JSON string is never echoed: it may hold the secret.
-    for bad in ('{"storage_secret": "%s", ' % SECRET, '["%s"]' % SECRET):
+    for bad in ('{"storage_secret": "' + SECRET + '", ', '["' + SECRET + '"]'):
         with pytest.raises(ValueError, match="hicache_storage_backend_extra_config") as err:
             make_config(hicache_storage_backend="file", hicache_storage_backend_extra_config=bad)
         assert SECRET not in str(err.value)

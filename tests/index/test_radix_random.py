@@ -98,7 +98,8 @@ class Model:
 
     def op_alloc_up_to(self) -> None:
         want = self.rng.randint(0, 12)
-        evictable = self.tree.num_free_pages + self.tree.num_cached_pages - self.tree.num_locked_pages
+        tree = self.tree
+        evictable = tree.num_free_pages + tree.num_cached_pages - tree.num_locked_pages
         pages = self.tree.alloc_up_to(want)
         # Never more than asked, never fewer than unpinned pages allow.
         assert len(pages) <= want and len(pages) >= min(want, evictable - self.num_pinned_orphan())

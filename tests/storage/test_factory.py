@@ -8,7 +8,13 @@ import sys
 import pytest
 
 from tests.conftest import make_config
-from vllm_hicache.storage import StorageContext, backend_names, create_backend, factory, register_backend
+from vllm_hicache.storage import (
+    StorageContext,
+    backend_names,
+    create_backend,
+    factory,
+    register_backend,
+)
 
 
 @pytest.fixture(autouse=True)

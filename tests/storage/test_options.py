@@ -13,7 +13,17 @@ from vllm_hicache.storage.file.config import FileBackendConfig
 from vllm_hicache.storage.mooncake.config import MooncakeConfig
 from vllm_hicache.storage.nixl.config import NixlConfig
 from vllm_hicache.storage.options import (
-    Options, choice, flag, integer, number, option, permissions, secret, size, string_map, text,
+    Options,
+    choice,
+    flag,
+    integer,
+    number,
+    option,
+    permissions,
+    secret,
+    size,
+    string_map,
+    text,
 )
 from vllm_hicache.storage.redis.config import RedisConfig
 

@@ -9,7 +9,11 @@ import pytest
 
 from vllm_hicache.storage import format as fmt
 from vllm_hicache.storage.sealing import (
-    AeadCodec, ChecksumCodec, MacCodec, ObjectCodec, make_codec,
+    AeadCodec,
+    ChecksumCodec,
+    MacCodec,
+    ObjectCodec,
+    make_codec,
 )
 from vllm_hicache.storage_secret import StorageSecret
 

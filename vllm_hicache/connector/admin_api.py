@@ -174,7 +174,7 @@ def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float =
         answer = asyncio.wrap_future(future)
         try:
             status, body = await asyncio.wait_for(asyncio.shield(answer), engine_wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if control.withdraw(future):
                 return error(503, f"the engine did not take the call within {engine_wait_s:g} s "
                                   "(nothing changed)")
@@ -263,7 +263,8 @@ class AdminServer:
                                         name="hicache-admin-api", daemon=True)
         self._thread.start()
         logger.info("HiCache admin API on %s (%s)", self.url,
-                    "Authorization: Bearer key required" if self._api_key else "no key: loopback only")
+                    "Authorization: Bearer key required" if self._api_key
+                    else "no key: loopback only")
         return self
 
     def stop(self) -> None:

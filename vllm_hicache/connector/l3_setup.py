@@ -20,7 +20,10 @@ from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.geometry import KVGeometry
 from vllm_hicache.connector.l3_canary import DisabledPageStore, guard_with_canary
 from vllm_hicache.connector.l3_identity import (
-    expected_page_format, model_ident, pool_page_format, weights_identity,
+    expected_page_format,
+    model_ident,
+    pool_page_format,
+    weights_identity,
 )
 from vllm_hicache.connector.l3_scheduler import StoragePlanner
 from vllm_hicache.connector.l3_worker import StorageIO
@@ -72,7 +75,8 @@ def namespace(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, tp_rank: int,
     )
 
 
-def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, num_pages: int) -> StoragePlanner:
+def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config,
+                  num_pages: int) -> StoragePlanner:
     storage = cfg.storage
     parallel = vllm_config.parallel_config
     tp_size = parallel.tensor_parallel_size

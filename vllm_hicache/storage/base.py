@@ -79,7 +79,7 @@ class StorageBackend(ABC):
         """Store ``sources[i]`` concatenated as object ``keys[i]``. Readers must
         never see a partial object. False: not stored (full, error)."""
 
-    def register_memory(self, region: np.ndarray) -> None:
+    def register_memory(self, region: np.ndarray) -> None:  # noqa: B027 - optional hook
         """Hook: ``region`` (the host pool) will contain get/put buffers for the
         backend's lifetime. Zero-copy engines register it; default: nothing."""
 

@@ -63,7 +63,8 @@ def parse_options(cls: type[T], options: Mapping[str, Any]) -> T:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required and f.name not in options:
             hint = f.metadata.get("hint")
-            raise ValueError(f"{owner} option {f.name!r} is required" + (f" ({hint})" if hint else ""))
+            raise ValueError(f"{owner} option {f.name!r} is required"
+                             + (f" ({hint})" if hint else ""))
     return cls(**{name: parse_value(owner, fields[name], v) for name, v in options.items()})
 
 

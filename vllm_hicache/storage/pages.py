@@ -102,8 +102,9 @@ class PageStore:
         for lo, hi in self._chunks(len(keys)):
             scratch = self._scratch_buffers(hi - lo)
             headers = [np.empty(HEADER_BYTES, np.uint8) for _ in range(lo, hi)]
-            bodies = self._each(hi - lo, lambda i: self.codec.seal(
-                keys[lo + i], payloads[lo + i], headers[i], scratch[i]))
+            bodies = self._each(hi - lo, lambda i, lo=lo, headers=headers, scratch=scratch:
+                                self.codec.seal(keys[lo + i], payloads[lo + i], headers[i],
+                                                scratch[i]))
             stored += self.backend.put(keys[lo:hi], [list(hb) for hb in zip(headers, bodies)])
         return stored
 

@@ -14,10 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.storage.file import stress as file_stress
 from tests.storage.conformance import (
-    OBJECT_BYTES, BackendConformance, empty, keys, make, obj, same,
+    OBJECT_BYTES,
+    BackendConformance,
+    empty,
+    keys,
+    make,
+    obj,
+    same,
 )
+from tests.storage.file import stress as file_stress
 from tests.storage.file.fixtures import backend, build, object_files, root, spec  # noqa: F401
 from vllm_hicache.storage.file import backend as file_module
 from vllm_hicache.storage.file import io as file_io

@@ -15,10 +15,13 @@ import uuid
 import numpy as np
 import pytest
 
-from tests.storage.nixl import services as services_nixl
 from tests.storage.conformance import OBJECT_BYTES, BackendConformance, empty, keys, make, obj, same
+from tests.storage.nixl import services as services_nixl
 from tests.storage.nixl.test_backend import (  # noqa: F401 - fixture
-    built, late_transfers_leave_caller_buffers_alone, run_past_deadline)
+    built,
+    late_transfers_leave_caller_buffers_alone,
+    run_past_deadline,
+)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -93,8 +93,8 @@ def test_password_file_errors_name_the_file_only(tmp_path):
 
 
 def _name(cn: str):
-    from cryptography.x509.oid import NameOID
     from cryptography import x509
+    from cryptography.x509.oid import NameOID
 
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
@@ -106,7 +106,7 @@ def make_pki(directory, name: str) -> dict[str, str]:
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
 
     def cert(subject, key, issuer, issuer_key, ca: bool, san=None):

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hicache.storage.options import (
-    Options, choice, directory, number, option, optional, parse_options, string_map, text,
+    Options,
+    choice,
+    directory,
+    number,
+    option,
+    optional,
+    parse_options,
+    string_map,
+    text,
 )
 
 PLUGINS = ("POSIX", "OBJ")

@@ -41,7 +41,11 @@ from vllm_hicache.storage.counters import Counters
 from vllm_hicache.storage.log_throttle import LogThrottle
 from vllm_hicache.storage.redis.config import RedisConfig
 from vllm_hicache.storage.redis.wire import (
-    exchange, make_pool, pack_keyed, pack_sets, probe_server,
+    exchange,
+    make_pool,
+    pack_keyed,
+    pack_sets,
+    probe_server,
 )
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,14 @@ from urllib.parse import urlsplit
 from redis.connection import parse_url
 
 from vllm_hicache.storage.options import (
-    Options, integer, number, optional, option, readable_file, secret, text,
+    Options,
+    integer,
+    number,
+    option,
+    optional,
+    readable_file,
+    secret,
+    text,
 )
 
 _TLS_OPTIONS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
