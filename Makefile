@@ -10,7 +10,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v p
 SERVE_PORT ?= 8000
 SERVE_ADMIN_PORT ?= 8001
 
-.PHONY: setup demo serve test test-fast soak bench clean
+.PHONY: setup demo serve test test-fast lint soak bench clean
 
 setup: $(STAMP)
 
@@ -49,8 +49,12 @@ demo: $(STAMP) $(DEMO_MODEL)/.complete
 serve: $(STAMP) $(MODEL)/.complete
 	@$(PY) examples/serve.py --model $(MODEL) --port $(SERVE_PORT) --admin-port $(SERVE_ADMIN_PORT)
 
+# ruff (configured in pyproject.toml); part of `make test`, so CI runs it.
+lint: $(STAMP)
+	$(PY) -m ruff check vllm_hicache tests benchmarks examples
+
 # pytest exit 5 (nothing collected) is a failure, like any other non-zero.
-test: $(STAMP) $(MODEL)/.complete
+test: $(STAMP) $(MODEL)/.complete lint
 	scripts/in_private_net.sh $(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
@@ -67,7 +71,11 @@ soak: $(STAMP) $(MODEL)/.complete
 	HICACHE_SOAK=1 HICACHE_SOAK_REPORT=.cache/soak-rss.txt \
 		$(PY) -m pytest -q -s tests/e2e/test_soak.py
 
-bench: $(STAMP) $(MODEL)/.complete
+# bench_serve.py --quick: real servers and clients, every system, a few minutes
+# (the full run: docs/benchmarks.md). gpu_transfer.py exits 2 without CUDA.
+bench: $(STAMP) $(MODEL)/.complete $(DEMO_MODEL)/.complete
+	$(PY) benchmarks/bench_serve.py --quick
+	$(PY) benchmarks/gpu_transfer.py || test $$? -eq 2
 	$(PY) benchmarks/bench_copy.py
 	$(PY) benchmarks/bench_tree.py
 	$(PY) benchmarks/bench_scheduler.py --model $(MODEL)
@@ -77,6 +85,7 @@ bench: $(STAMP) $(MODEL)/.complete
 	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_redis.py
 	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_mooncake.py
 	$(PY) benchmarks/bench_l3_nixl.py
+	$(PY) benchmarks/bench_load_decision.py --model $(DEMO_MODEL)
 
 clean:
 	rm -rf $(VENV) .cache

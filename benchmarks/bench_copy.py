@@ -125,7 +125,9 @@ def bench_layout(args, mem_layout: str, raw, layers, layouts, patterns) -> None:
             label = f"{io_backend}->{transfer.io_backend}"
         for ids, (blocks, pages) in patterns.items():
             for direction in ("store", "load"):
-                def run(method=getattr(transfer, direction)):
+                method_now = getattr(transfer, direction)
+
+                def run(method=method_now):
                     method(blocks, pages)
                     transfer.synchronize()
 

@@ -51,7 +51,10 @@ from vllm_hicache.storage import StorageContext, create_backend  # noqa: E402
 from vllm_hicache.storage import format as fmt  # noqa: E402
 from vllm_hicache.storage.pages import PageStore  # noqa: E402
 from vllm_hicache.storage.sealing import (  # noqa: E402
-    AeadCodec, ChecksumCodec, MacCodec, ObjectCodec,
+    AeadCodec,
+    ChecksumCodec,
+    MacCodec,
+    ObjectCodec,
 )
 from vllm_hicache.storage_secret import StorageSecret  # noqa: E402
 

@@ -1,9 +1,10 @@
+import dataclasses
 import logging
 
 import pytest
 
-from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from tests.conftest import make_config
+from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 
 
 def test_defaults_mirror_sglang():
@@ -19,7 +20,7 @@ def test_defaults_mirror_sglang():
 
 def test_config_is_frozen():
     cfg = make_config()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.hicache_ratio = 3.0
 
 
@@ -31,7 +32,8 @@ def test_config_is_frozen():
         ("hicache_ratio", True, "expected a number"),
         ("hicache_ratio", float("nan"), "hicache_ratio"),
         ("hicache_size", -1, "must be >= 0"),
-        ("hicache_write_policy", "write_around", "write_through, write_through_selective, write_back"),
+        ("hicache_write_policy", "write_around",
+         "write_through, write_through_selective, write_back"),
         ("hicache_mem_layout", "page_head", "layer_first, page_first, page_first_direct"),
         ("hicache_io_backend", 3, "kernel, direct"),
         ("radix_eviction_policy", "random", "lru, lfu, fifo, mru, filo, priority"),

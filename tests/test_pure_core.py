@@ -13,6 +13,8 @@ PURE_MODULES = [
     "vllm_hicache.policy",
     "vllm_hicache.policy.eviction",
     "vllm_hicache.policy.write",
+    "vllm_hicache.policy.load",
+    "vllm_hicache.policy.offload",
     # The capacity planner replays logs with the same tree and policies.
     "vllm_hicache.planner",
     "vllm_hicache.planner.log_format",

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hicache.storage_config import STORAGE_KEYS, StorageConfig, parse_storage
-
 from vllm_hicache.policy.eviction import EVICTION_POLICIES
+from vllm_hicache.policy.load import LOAD_DECISIONS
 from vllm_hicache.policy.write import WRITE_POLICIES
+from vllm_hicache.storage_config import STORAGE_KEYS, StorageConfig, parse_storage
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,11 @@ class HiCacheConfig:
     # layerwise: loads overlap the forward, layer by layer; async: loads run
     # between steps while the request waits in WAITING_FOR_REMOTE_KVS.
     hicache_load_mode: str = "layerwise"
+    # Which hits are loaded (policy/load.py): "always" every one; "auto" only
+    # those expected to load faster than vLLM would compute them, from the
+    # tiers' measured bandwidth and the engine's measured prefill rate (a
+    # declined L2 hit is recomputed; a declined L3 hit is not waited for).
+    hicache_load_decision: str = "auto"
     # The L3 tier, or None (hicache_storage_* keys; see StorageConfig).
     storage: StorageConfig | None = None
     # Your name for the model's weights, e.g. "llama3-8b-sft-2026-11-30" (no
@@ -127,6 +132,7 @@ def _parse_field(name: str, value: Any) -> Any:
         "hicache_io_backend": IO_BACKENDS,
         "radix_eviction_policy": EVICTION_POLICIES,
         "hicache_load_mode": LOAD_MODES,
+        "hicache_load_decision": LOAD_DECISIONS,
     }[name]
     if not isinstance(value, str) or value not in choices:
         raise ValueError(
@@ -244,7 +250,8 @@ def _check_admin_bind(values: Mapping[str, Any]) -> None:
     """The admin API can attach, detach and clear L3: off loopback it must
     not be reachable without a key."""
     host = values.get("admin_api_host", "127.0.0.1")
-    if values.get("admin_api_port", 0) and not values.get("admin_api_key") and not is_loopback(host):
+    keyless = not values.get("admin_api_key")
+    if values.get("admin_api_port", 0) and keyless and not is_loopback(host):
         raise ValueError(
             f"admin_api_host={host!r} is not a loopback address and admin_api_key is not set; "
             "set admin_api_key (e.g. @/path/to/file) or bind 127.0.0.1"

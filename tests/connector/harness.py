@@ -16,7 +16,12 @@ from types import SimpleNamespace
 
 import torch
 from vllm.config import (
-    CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
@@ -94,8 +99,8 @@ class Harness:
             w.start_load_kv(None)
         w.wait_for_save()
         self.pending_async.update((job.req_id, job) for job in meta.async_loads)
-        if complete_async and w.worker._async is not None:
-            _drain(w.worker._async)
+        if complete_async and w.worker.data is not None:
+            assert w.worker.data.wait_async_loads(10), "async loads did not finish in time"
         if complete_async and w.worker._io is not None:
             assert w.worker._io.wait_idle(10)
         sending, recving = w.get_finished(so.finished_req_ids)
@@ -173,7 +178,8 @@ class Harness:
                 pos = index * BLOCK + off
                 if not torch.all(view[block_id, :, off] == expected_value(req, pos, layer, 0)):
                     return False
-                if not torch.all(view[block_id, :, BLOCK + off] == expected_value(req, pos, layer, 1)):
+                value = expected_value(req, pos, layer, 1)
+                if not torch.all(view[block_id, :, BLOCK + off] == value):
                     return False
         return True
 
@@ -189,17 +195,6 @@ def expected_value(req: Request, pos: int, layer: int, plane: int) -> float:
     return float(int.from_bytes(digest, "little") % 4093)
 
 
-def _drain(loader, timeout_s: float = 10.0) -> None:
-    """Wait (bounded) for the async loader's in-flight jobs."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while any(not loader._is_done(h) for _, h in loader._inflight.values()):
-        if time.monotonic() > deadline:
-            raise AssertionError("async loads did not finish in time")
-        time.sleep(0.001)
-
-
 def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
                  max_batched: int = 256, load_failure_policy: str = "recompute",
                  **extra) -> Harness:
@@ -207,7 +202,8 @@ def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
     extra.setdefault("hicache_io_backend", "direct")
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                         max_num_batched_tokens=max_batched,
                                          max_model_len=512, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),

@@ -1,9 +1,12 @@
 """An in-process L3 for scheduler-harness tests: one dict per ``store`` name,
-shared by the scheduler's and the worker's instances (same process)."""
+shared by the scheduler's and the worker's instances (same process).
+Option ``read_bytes_per_s`` (0: unlimited) makes reads sleep per byte read,
+like a slow or congested store."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -18,10 +21,11 @@ class MemBackend(StorageBackend):
     name = "mem"
 
     def __init__(self, options, ctx) -> None:
-        unknown = set(options) - {"store"}
+        unknown = set(options) - {"store", "read_bytes_per_s"}
         if unknown:
             raise ValueError(f"unknown MemBackend options {sorted(unknown)}")
         self.store_name = options["store"]
+        self.read_bytes_per_s = float(options.get("read_bytes_per_s", 0))
         with _LOCK:
             self.data = STORES.setdefault(self.store_name, {})
 
@@ -51,6 +55,8 @@ class MemBackend(StorageBackend):
                 b[:] = np.frombuffer(blob, np.uint8, b.nbytes, offset)
                 offset += b.nbytes
             out.append(True)
+        if self.read_bytes_per_s > 0:
+            time.sleep(sum(b.nbytes for bufs in targets for b in bufs) / self.read_bytes_per_s)
         return out
 
     def put(self, keys, sources):

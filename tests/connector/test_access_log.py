@@ -155,7 +155,7 @@ def test_sampling_keeps_or_drops_whole_prefix_families(log_path):
     header = LogHeader(**{**HEADER.to_map(), "sample": 0.5})
     writer = AccessLogWriter(log_path, header, 10**6, flush_s=NO_TIMER_S)
     families = {f"sys{k}": chain(f"sys{k}", 2) for k in range(40)}
-    for k, (name, prefix) in enumerate(families.items()):
+    for name, prefix in families.items():
         for turn in range(3):  # requests sharing the family's first blocks
             req = request(f"{name}-{turn}", prefix + chain(f"{name}{turn}", 2), 4 * BS + 1)
             writer.admit(req, 0, 0)

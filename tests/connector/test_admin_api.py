@@ -111,7 +111,8 @@ def test_no_key_configured_needs_no_header():
     (json.dumps({"backend": "file", "extra_config": "{bad"}).encode(), "extra_config"),
     (json.dumps({"backend": "file", "extra_config": "@/etc/passwd"}).encode(), "extra_config"),
     (json.dumps({"backend": "file", "hicache_storage_backend_extra_config_json":
-                 {"prefetch_threshold": -1}}).encode(), "hicache_storage_backend_extra_config_json"),
+                 {"prefetch_threshold": -1}}).encode(),
+     "hicache_storage_backend_extra_config_json"),
 ])
 def test_bad_bodies_are_400_naming_the_field_and_reach_nothing(body, field):
     http, control = client()

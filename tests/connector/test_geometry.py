@@ -1,7 +1,11 @@
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 
 from tests.conftest import make_config

@@ -233,7 +233,8 @@ def test_reattach_updates_policies_and_refuses_other_stores(tiny_model_dir):
         {"backend": "dynamic", "prefetch_policy": "timeout",
          "write_policy": "write_through_selective"})))
     assert status == 200, body
-    assert body["prefetch_policy"] == "timeout" and body["write_policy"] == "write_through_selective"
+    assert body["prefetch_policy"] == "timeout"
+    assert body["write_policy"] == "write_through_selective"
     assert h.sched_half.l3 is planner and planner.cfg.prefetch_policy == "timeout"
     assert h.sched_half.write_policy.name == "write_through_selective"
     status, body = settle(h, control(h).submit("attach", parse_attach({"backend": "file"})))

@@ -15,8 +15,15 @@ from tests.connector.mem_backend import STORES, MemBackend
 from tests.kernels.kv_factory import make_kv_layers
 from vllm_hicache.connector.geometry import KVGeometry
 from vllm_hicache.connector.l3_canary import (
-    CANARY_MARK, FAILED, UNAVAILABLE, DisabledPageStore, canary_hash, canary_pattern,
-    guard_with_canary, is_canary_key, run_canary,
+    CANARY_MARK,
+    FAILED,
+    UNAVAILABLE,
+    DisabledPageStore,
+    canary_hash,
+    canary_pattern,
+    guard_with_canary,
+    is_canary_key,
+    run_canary,
 )
 from vllm_hicache.connector.l3_setup import build_storage_io
 from vllm_hicache.connector.l3_worker import StorageIO

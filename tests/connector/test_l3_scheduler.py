@@ -7,7 +7,6 @@ import threading
 import time
 import uuid
 
-
 from tests.connector import mem_backend
 from tests.connector.harness import BLOCK, make_harness
 from tests.connector.test_scheduler import assert_clean, prompt

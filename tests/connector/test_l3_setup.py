@@ -12,10 +12,15 @@ from tests.kernels.kv_factory import make_kv_layers
 from vllm_hicache.connector.geometry import KVGeometry
 from vllm_hicache.connector.l3_canary import DisabledPageStore
 from vllm_hicache.connector.l3_identity import (
-    expected_page_format, pool_page_format, weights_fingerprint,
+    expected_page_format,
+    pool_page_format,
+    weights_fingerprint,
 )
 from vllm_hicache.connector.l3_setup import (
-    build_planner, check_shareable_hashes, checked_page_store, namespace,
+    build_planner,
+    check_shareable_hashes,
+    checked_page_store,
+    namespace,
 )
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor

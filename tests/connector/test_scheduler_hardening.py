@@ -77,8 +77,7 @@ def test_a_page_whose_load_failed_leaves_the_index(tiny_model_dir, load_mode):
     assert None not in pages and len(pages) == 4
     worker = h.worker.worker
     failing = FailingLoads(worker.transfer, bad_page=pages[2])
-    worker.transfer = failing
-    worker._async._transfer = failing
+    worker.transfer = failing  # the async loader's too
     assert h.scheduler.reset_prefix_cache()
     h.kv_zero()
     h.add("b", tokens)
@@ -91,7 +90,6 @@ def test_a_page_whose_load_failed_leaves_the_index(tiny_model_dir, load_mode):
     new_pages = half.tree.match(hashes).pages
     assert len(new_pages) == 4 and None not in new_pages
     worker.transfer = failing._transfer
-    worker._async._transfer = failing._transfer
     assert h.scheduler.reset_prefix_cache()
     h.kv_zero()
     h.load_checks.clear()

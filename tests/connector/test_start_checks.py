@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from vllm.config import (
-    CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-    SpeculativeConfig, VllmConfig,
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec

@@ -145,8 +145,7 @@ class FlakyCopies:
     @classmethod
     def install(cls, worker, rng: random.Random) -> None:
         flaky = cls(worker.transfer, rng)
-        worker.transfer = flaky
-        worker._async._transfer = flaky
+        worker.transfer = flaky  # the async loader's too
 
     def __getattr__(self, name):
         return getattr(self._transfer, name)

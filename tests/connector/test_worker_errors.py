@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from tests.connector.harness import LAYERS, make_harness
-from vllm_hicache.connector.async_loads import AsyncLoader
 from vllm_hicache.connector.metadata import (
     BackupJob,
     BlockCopy,
@@ -25,6 +24,7 @@ from vllm_hicache.connector.metadata import (
     LoadJob,
     PrefetchJob,
 )
+from vllm_hicache.datapath import KVDataPath
 
 # --- fakes ------------------------------------------------------------------
 
@@ -132,9 +132,9 @@ def rig(tiny_model_dir, device):
     w = h.worker.worker
     if device is not None:
         # What register_kv_caches sets up on a CUDA device.
-        w._async.shutdown()
-        w._stream = torch.cuda.Stream()
-        w._async = AsyncLoader(w.transfer, w._stream)
+        w.data.async_loads.shutdown()
+        w.data = KVDataPath(w.data.pool, w.data.transfer, stream=torch.cuda.Stream(),
+                            clock=w.clock)
     torch.manual_seed(0)
     for t in h.kv.values():
         t.copy_(torch.randn_like(t))
@@ -144,9 +144,7 @@ def rig(tiny_model_dir, device):
 
 def inject(w, should_fail) -> FailingTransfer:
     wrapper = FailingTransfer(w.transfer, should_fail)
-    w.transfer = wrapper
-    w._async.shutdown()
-    w._async = AsyncLoader(wrapper, w._stream)
+    w.transfer = wrapper  # the async loader's too
     return wrapper
 
 
@@ -212,9 +210,10 @@ def test_layerwise_load_failure_fails_only_its_job(rig, fail_layer):
     assert good_layers == list(range(LAYERS))
     if compute is not None:
         # Every layer's event was recorded and waited on by the compute stream.
-        assert sorted(w._layer_events) == list(range(LAYERS))
+        events = [w.data.layer_event(layer) for layer in range(LAYERS)]
+        assert all(e is not None for e in events)
         waited = {id(e) for e in compute.waited_events}
-        assert all(id(e) in waited for e in w._layer_events.values())
+        assert all(id(e) in waited for e in events)
 
 
 def test_layer_hook_skipped_still_skips_failed_job(rig):
@@ -247,7 +246,7 @@ def test_async_load_failure_is_finished_with_its_blocks_failed(rig):
     assert errors == set(BAD.copy.block_ids)
     for dst, src in zip(GOOD.copy.block_ids, GOOD.copy.page_ids):
         assert same_kv(h, dst, SRC_BLOCKS[SRC_PAGES.index(src)])
-    assert w._async.num_inflight == 0
+    assert w.data.async_loads.num_inflight == 0
 
 
 # --- stores -----------------------------------------------------------------
@@ -311,7 +310,7 @@ def test_failed_write_back_is_reported_and_ordered(rig):
     assert worker_meta.failed_store_pages == {8, 9}
     if compute is not None:
         # The compute stream still waits for whatever part of the copy was queued.
-        assert compute.waited_events and compute.waited_events[-1] is w._store_done
+        assert compute.waited_events and compute.waited_events[-1] is w.data.store_event
 
 
 def test_failed_store_pages_aggregate_across_ranks():

@@ -114,7 +114,9 @@ class ByteAudit:
             load(block_ids, page_ids)
             self._check(block_ids, page_ids, range(len(self.kv)))
 
-        transfer.store, transfer.load_layer, transfer.load = audited_store, audited_load_layer, audited_load
+        transfer.store = audited_store
+        transfer.load_layer = audited_load_layer
+        transfer.load = audited_load
 
     def _check(self, block_ids, page_ids, layers) -> None:
         for b, p in zip(block_ids, page_ids):

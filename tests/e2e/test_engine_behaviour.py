@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from tests.e2e.engine_utils import (
-    BLOCK_SIZE, close, generate, make_llm, prompts_with_shared_prefix, scheduler_half,
+    BLOCK_SIZE,
+    close,
+    generate,
+    make_llm,
+    prompts_with_shared_prefix,
+    scheduler_half,
     worker_half,
 )
 

@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.engine_utils import (
-    BLOCK_SIZE, close, generate, make_llm, prompts_with_shared_prefix, scheduler_half,
+    BLOCK_SIZE,
+    close,
+    generate,
+    make_llm,
+    prompts_with_shared_prefix,
+    scheduler_half,
 )
 
 pytestmark = pytest.mark.engine

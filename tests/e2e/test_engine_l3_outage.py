@@ -9,7 +9,11 @@ import time
 import pytest
 
 from tests.e2e.engine_utils import (
-    close, generate, make_llm, prompts_with_shared_prefix, scheduler_half,
+    close,
+    generate,
+    make_llm,
+    prompts_with_shared_prefix,
+    scheduler_half,
 )
 from tests.storage.redis.services import RedisServer
 

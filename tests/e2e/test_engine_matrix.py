@@ -17,13 +17,18 @@ import itertools
 import pytest
 import torch
 
-from vllm_hicache.config import resolve_conflicts
 from tests.conftest import make_config
-
 from tests.e2e.engine_utils import (
-    BLOCK_SIZE, ByteAudit, close, generate, make_llm, prompts_with_shared_prefix,
-    scheduler_half, worker_half,
+    BLOCK_SIZE,
+    ByteAudit,
+    close,
+    generate,
+    make_llm,
+    prompts_with_shared_prefix,
+    scheduler_half,
+    worker_half,
 )
+from vllm_hicache.config import resolve_conflicts
 
 pytestmark = pytest.mark.engine
 

@@ -27,7 +27,8 @@ def prompts(salt: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference_slow(tiny_model_dir):
-    llm = make_llm(tiny_model_dir, connector=False, max_num_seqs=8, kv_bytes=KV_BYTES // 2, max_model_len=320)
+    llm = make_llm(tiny_model_dir, connector=False, max_num_seqs=8, kv_bytes=KV_BYTES // 2,
+                   max_model_len=320)
     try:
         return [generate(llm, prompts(r))[0] for r in range(4)]
     finally:

@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 from tests.e2e.engine_utils import (
-    BLOCK_SIZE, close, generate, make_llm, prompts_with_shared_prefix, scheduler_half,
+    BLOCK_SIZE,
+    close,
+    generate,
+    make_llm,
+    prompts_with_shared_prefix,
+    scheduler_half,
 )
 from vllm_hicache.storage.format import HEADER_BYTES, encode_header
 from vllm_hicache.storage.sealing import MacCodec

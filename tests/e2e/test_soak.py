@@ -129,7 +129,8 @@ def drive(llm, half=None) -> list[tuple[int, int]]:
         assert steps < NUM_REQUESTS * MAX_STEPS_PER_REQUEST, "the soak stopped making progress"
         while len(live) < CONCURRENCY and submitted < NUM_REQUESTS:
             req_id = f"s{submitted}"
-            engine.add_request(req_id, {"prompt_token_ids": soak_prompt(rng, prefixes, history)}, sp)
+            prompt = {"prompt_token_ids": soak_prompt(rng, prefixes, history)}
+            engine.add_request(req_id, prompt, sp)
             live.add(req_id)
             submitted += 1
         if live and rng.random() < 0.05:  # mid-load, mid-prefetch or mid-decode

@@ -29,17 +29,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_hicache import log_through_vllm
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.admin_api import start_admin_api
-from vllm_hicache.connector.l3_attach import make_control
-from vllm_hicache.connector.l3_setup import build_planner, check_shareable_hashes
 from vllm_hicache.connector.geometry import KVGeometry, geometry_from
 from vllm_hicache.connector.kv_events import KVEventLog, kv_events_enabled
+from vllm_hicache.connector.l3_attach import make_control
+from vllm_hicache.connector.l3_setup import build_planner, check_shareable_hashes
 from vllm_hicache.connector.metadata import HiCacheMetadata
 from vllm_hicache.connector.metrics import HiCacheKVConnectorStats, HiCachePromMetrics
 from vllm_hicache.connector.scheduler import HiCacheScheduler
@@ -353,7 +352,8 @@ class HiCacheConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._work().wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs: Any) -> None:
         # Stores copy whole blocks of all layers after the forward
         # (wait_for_save): one batched copy instead of one per layer.
         return

@@ -13,7 +13,19 @@ store; a BACKUP op (page_ops.py) pins them until every rank has acknowledged.
 Prefetch policies decide only whether a request *waits* for its lookup and
 prefetch (``must_wait``): best_effort never, wait_complete until the
 prefetch ends (but never past ``prefetch_timeout_max``: a stuck store must not
-stall a request), timeout until it ends or its deadline passes.
+stall a request), timeout until it ends or its deadline passes. Under
+``hicache_load_decision=auto`` a waiting policy waits only for a hit that is
+expected to arrive faster than vLLM would compute it (``LoadGate``, judged
+when the lookup starts, for the longest possible hit, and again when it
+finishes, for the actual one); a declined hit is still prefetched, as under
+best_effort, for later requests.
+
+Backups are bounded (policy/offload.py): a step's stored pages are backed
+up at once while fewer than ``max_backup_pages`` pages are unacknowledged
+(so the bound is overshot by one step's stores at most); otherwise they are
+deferred to a bounded backlog (unpinned), flushed most valuable first as
+acknowledgements make room, which keeps an idle engine stepping until it is
+empty.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from vllm_hicache.connector.metadata import BackupJob, HiCacheWorkerMetadata, Pr
 from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import KeyNamespace
+from vllm_hicache.policy.offload import BackupBacklog, backup_inflight_cap
 from vllm_hicache.policy.prefetch import PrefetchPolicy
 from vllm_hicache.storage import StorageBackend
 from vllm_hicache.storage_config import StorageConfig
@@ -40,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 # Lookups queued or running at once, at most (one lookup thread).
 MAX_PENDING_LOOKUPS = 256
+# Blocks a probe (a prefetch nobody waits for, to measure L3) reads, at most.
+PROBE_BLOCKS = 64
 
 
 @dataclass(slots=True)
@@ -61,11 +76,13 @@ class _Lookup:
     op: _Op | None = None
     done: bool = False         # nothing (more) to wait for
     timed_out: bool = False    # counted as prefetches{event=timed_out}
+    nowait: bool = False       # hicache_load_decision declined to wait for it
 
 
 class StoragePlanner:
     def __init__(self, cfg: StorageConfig, backend: StorageBackend, namespaces: list[KeyNamespace],
-                 block_size: int, world_size: int, max_inflight_pages: int) -> None:
+                 block_size: int, world_size: int, max_inflight_pages: int,
+                 max_backup_pages: int | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.namespaces = namespaces
@@ -99,11 +116,27 @@ class StoragePlanner:
         self.lookup_errors = 0
         # Open backup -> hashes some rank failed to write (kv_events.py).
         self._backup_failures: dict[int, set[bytes]] = {}
+        # Backpressure (policy/offload.py): pages of open backups, the bound,
+        # and the deferred ones.
+        self.max_backup_pages = (max_backup_pages if max_backup_pages is not None
+                                 else backup_inflight_cap(max_inflight_pages))
+        self._backup_pages = 0
+        self._bounded: dict[int, int] = {}  # backup op -> its pages counted in _backup_pages
+        self.backlog = BackupBacklog(max(1, max_inflight_pages))
+        self.backup_deferred = 0
+        self.backup_flushed = 0
+        self.backup_dropped = 0
+        self.backup_evicted = 0
 
     # --- lookups -----------------------------------------------------------
 
-    def start_lookup(self, req_id: str, chain: tuple[bytes, ...], start: int) -> None:
-        """Look up blocks [start, len(chain)) of a new request in L3."""
+    def start_lookup(self, req_id: str, chain: tuple[bytes, ...], start: int,
+                     gate=None) -> None:
+        """Look up blocks [start, len(chain)) of a new request in L3. With a
+        ``gate`` (LoadGate), under a waiting policy, the request waits only
+        if a hit as long as the chain is expected to arrive sooner than
+        vLLM would compute it (decided once, here: it must not wait for
+        the lookup either)."""
         if len(chain) - start < self.threshold_blocks:
             return
         if self._num_pending_lookups >= MAX_PENDING_LOOKUPS:
@@ -113,6 +146,10 @@ class StoragePlanner:
             return
         wait_s = self.prefetch_policy.wait_budget_s((len(chain) - start) * self.block_size)
         lookup = _Lookup(chain, start, time.monotonic() + wait_s)
+        if gate is not None and self.prefetch_policy.ever_waits:
+            num = len(chain) - start
+            lookup.nowait = not gate.prefetch_l3(start * self.block_size,
+                                                 num * self.block_size, num)
         with self._pending_lock:
             self._num_pending_lookups += 1
         lookup.future = self._executor.submit(self._exists, chain[start:])
@@ -138,7 +175,7 @@ class StoragePlanner:
     def must_wait(self, req_id: str) -> bool:
         """Should this request wait (``None`` from get_num_new_matched_tokens)?"""
         lookup = self._lookups.get(req_id)
-        if lookup is None or not self.prefetch_policy.ever_waits:
+        if lookup is None or lookup.nowait or not self.prefetch_policy.ever_waits:
             return False
         if (not lookup.done and lookup.op is None and lookup.future.done()
                 and self._hit(lookup) < self.threshold_blocks):
@@ -166,27 +203,38 @@ class StoragePlanner:
 
     # --- per step ------------------------------------------------------------
 
-    def plan_prefetches(self, tree: HiRadixTree, alloc) -> list[PrefetchJob]:
+    def plan_prefetches(self, tree: HiRadixTree, alloc, gate=None) -> list[PrefetchJob]:
         """Prefetch ops for the lookups that finished since the last step
-        (each is considered once, as it finishes)."""
+        (each is considered once, as it finishes); ``gate`` (LoadGate)
+        decides whether their requests wait for them."""
         jobs = []
         while self._finished_lookups:
             req_id, lookup = self._finished_lookups.popleft()
             if self._lookups.get(req_id) is not lookup:
+                if lookup.nowait and gate is not None and not lookup.future.cancelled():
+                    hit = self._hit(lookup)
+                    self._count_declined(gate, hit)  # it computed them instead
+                    if gate.wants_l3_sample():
+                        jobs += self._probe(lookup, hit, tree, alloc)
                 continue  # its request is gone
             if lookup.op is None and not lookup.done:
-                job = self._start_op(lookup, tree, alloc)
+                job = self._start_op(lookup, tree, alloc, gate)
                 if job is not None:
                     jobs.append(job)
         return jobs
 
-    def _start_op(self, lookup: _Lookup, tree: HiRadixTree, alloc) -> PrefetchJob | None:
+    def _start_op(self, lookup: _Lookup, tree: HiRadixTree, alloc,
+                  gate=None) -> PrefetchJob | None:
         lookup.done = True  # unless an op starts below
         end = lookup.start + self._hit(lookup)
         matched = tree.match(lookup.chain[:end]).pages
         start = lookup.start
         while start < len(matched) and matched[start] is not None:
             start += 1  # arrived in L2 meanwhile
+        if lookup.nowait and gate is not None:
+            self._count_declined(gate, end - lookup.start)  # what L3 found, now in L2 or not
+            if gate.wants_l3_sample():
+                return next(iter(self._probe(lookup, end - lookup.start, tree, alloc)), None)
         room = self.max_inflight_pages - self._inflight_pages
         num = min(end - start, room)
         if num < self.threshold_blocks:
@@ -197,12 +245,37 @@ class StoragePlanner:
         if pages is None:
             self.prefetch_revoked += 1  # every page pinned
             return None
+        if gate is not None and self.prefetch_policy.ever_waits and not lookup.nowait:
+            gate.record("L3", True, num * self.block_size)
         op = _Op(next(self._op_ids), lookup.chain[: start + num], start, pages)
         self._ops[op.op_id] = op
         self.prefetch_started += 1
         self._inflight_pages += num
         lookup.op, lookup.done = op, False
         return PrefetchJob(op.op_id, op.chain[start:], tuple(pages))
+
+    def _probe(self, lookup: _Lookup, hit: int, tree: HiRadixTree, alloc) -> list[PrefetchJob]:
+        """Read (part of) a declined hit nobody waits for, blocks already in
+        L2 included, to measure L3 again: the only way a tier whose hits are
+        all declined can show it got faster. Pages of blocks L2 already has
+        are freed as the prefetch commits (``_advance``)."""
+        num = min(hit, PROBE_BLOCKS, self.max_inflight_pages - self._inflight_pages)
+        if num <= 0:
+            return []
+        chain = lookup.chain[: lookup.start + num]
+        pages = alloc(chain, len(tree.match(chain).pages), num)
+        if pages is None:
+            return []
+        op = _Op(next(self._op_ids), chain, lookup.start, pages)
+        self._ops[op.op_id] = op
+        self.prefetch_started += 1
+        self._inflight_pages += num
+        return [PrefetchJob(op.op_id, chain[lookup.start :], tuple(pages))]
+
+    def _count_declined(self, gate, num_blocks: int) -> None:
+        """A declined lookup found ``num_blocks`` blocks its request computes instead."""
+        if num_blocks >= self.threshold_blocks:
+            gate.record("L3", False, num_blocks * self.block_size)
 
     def plan_backup(self, ops: PageOps, stored: list[PinnedRange], step: int) -> list[BackupJob]:
         """One backup op for this step's stored pages (their STORE ops pin
@@ -215,6 +288,46 @@ class StoragePlanner:
         self._backups[op.op_id] = op
         self.backed_up_blocks += len(pages)
         return [BackupJob(op.op_id, hashes, pages)]
+
+    def plan_backups(self, ops: PageOps, tree: HiRadixTree, stored: list[PinnedRange],
+                     step: int) -> list[BackupJob]:
+        """This step's stored pages go out while fewer than
+        ``max_backup_pages`` are in flight (so the bound is overshot by one
+        step's stores at most, and a step's stores are never split); else
+        they are deferred to the backlog. Room left flushes the backlog."""
+        room = self.max_backup_pages - self._backup_pages
+        now: list[PinnedRange] = []
+        if room > 0:
+            now = list(stored)
+            room -= sum(len(r.blocks) for r in stored)
+        else:
+            for rng in stored:
+                self.backup_deferred += len(rng.blocks)
+                self.backup_dropped += self.backlog.defer(rng.chain, rng.blocks)
+        if room > 0 and len(self.backlog):
+            now += self._flush(tree, room)
+        jobs = self.plan_backup(ops, now, step)
+        for job in jobs:  # the bound counts these; an attach's backfill has its own
+            self._bounded[job.op_id] = len(job.pages)
+            self._backup_pages += len(job.pages)
+        return jobs
+
+    def _flush(self, tree: HiRadixTree, room: int) -> list[PinnedRange]:
+        """Up to ``room`` deferred blocks whose pages are still in L2."""
+        ranges = []
+        for entry in self.backlog.take(room):
+            pages = tree.match(entry.chain).pages
+            blocks = [b for b in entry.blocks if b < len(pages) and pages[b] is not None]
+            self.backup_evicted += len(entry.blocks) - len(blocks)
+            if blocks:
+                self.backup_flushed += len(blocks)
+                ranges.append(PinnedRange(entry.chain[: blocks[-1] + 1], tuple(blocks),
+                                          tuple(pages[b] for b in blocks)))
+        return ranges
+
+    def note_use(self, hashes) -> None:
+        """A request used these blocks (its hit): deferred backups of them gain value."""
+        self.backlog.record_use(hashes)
 
     def has_open_prefetches(self) -> bool:
         return bool(self._ops)
@@ -240,8 +353,9 @@ class StoragePlanner:
             cfg.prefetch_timeout_max)
 
     def awaits_io(self) -> bool:
-        """Lookups still running, or prefetches not yet acknowledged."""
-        return bool(self._ops) or self._num_pending_lookups > 0
+        """Lookups still running, prefetches not yet acknowledged, or
+        deferred backups to catch up on."""
+        return bool(self._ops) or self._num_pending_lookups > 0 or len(self.backlog) > 0
 
     def prefetch_pages(self) -> set[int]:
         """Pages open prefetches hold outside the tree (not yet committed)."""
@@ -305,6 +419,7 @@ class StoragePlanner:
         if len(acked) >= self.world_size:
             del self._backup_acks[op_id]
             op = self._backups.pop(op_id)
+            self._backup_pages -= self._bounded.pop(op_id, 0)
             failed = self._backup_failures.pop(op_id, ())
             if events is not None and events.enabled:
                 for rng in op.ranges:

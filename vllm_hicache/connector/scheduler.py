@@ -37,12 +37,20 @@ from vllm_hicache.connector.inflight import InflightLoads
 from vllm_hicache.connector.kv_events import MEDIUM_L2, KVEventLog
 from vllm_hicache.connector.l3_attach import StorageControl
 from vllm_hicache.connector.l3_scheduler import StoragePlanner
+from vllm_hicache.connector.load_gate import LoadGate
 from vllm_hicache.connector.metadata import (
-    BlockCopy, BlockPage, HiCacheMetadata, LoadJob, merge_copies,
+    BlockCopy,
+    BlockPage,
+    HiCacheMetadata,
+    LoadJob,
+    merge_copies,
 )
 from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.connector.request_params import (
-    DEFAULT_CONTROLS, NO_HICACHE, RequestControls, parse_request_params,
+    DEFAULT_CONTROLS,
+    NO_HICACHE,
+    RequestControls,
+    parse_request_params,
 )
 from vllm_hicache.connector.request_state import ReqState, track_scheduled
 from vllm_hicache.connector.stats import HiCacheStats, SchedulerReport, key
@@ -133,6 +141,10 @@ class HiCacheScheduler:
         self._param_warned_at = -_PARAM_WARN_INTERVAL_S
         # hicache_access_log, for the capacity planner (a no-op when off).
         self.access_log = open_access_log(cfg, geom, self.num_pages, local_ranks)
+        # hicache_load_decision (load_gate.py): its estimators, and the L2
+        # hits declined per request (blocks) until the request is admitted.
+        self.load_gate = LoadGate(cfg.hicache_load_decision, geom.bytes_per_block)
+        self._declined: dict[str, int] = {}
 
     # --- lookup and load -------------------------------------------------
 
@@ -152,6 +164,11 @@ class HiCacheScheduler:
                 pages = pages[:cap]
         if not pages:
             return 0, False
+        if not self.load_gate.load_l2(num_computed_tokens, len(pages) * self.block_size,
+                                      len(pages)):
+            self._declined[request.request_id] = len(pages)  # vLLM recomputes them
+            return 0, False
+        self._declined.pop(request.request_id, None)
         start = num_computed_tokens // self.block_size
         if self._inflight.overlaps(request.block_hashes[start : start + len(pages)]):
             return None, False  # ask again once that load has landed
@@ -173,9 +190,14 @@ class HiCacheScheduler:
             return  # vLLM's second call for an async load: nothing new
         start, num_blocks = local // self.block_size, num_external_tokens // self.block_size
         end = start + num_blocks
-        # A use of the whole hit, L1 part included: a prefix vLLM keeps
-        # serving from its own cache must not age out of L2 meanwhile.
-        self.tree.touch(request.block_hashes, end, priority=-request.priority)
+        declined = self._declined.pop(req_id, 0) if num_blocks == 0 else 0
+        self.load_gate.record("L2", True, num_external_tokens)
+        self.load_gate.record("L2", False, declined * self.block_size)
+        # A use of the whole hit, L1 part (and a declined L2 hit) included: a
+        # prefix vLLM keeps serving from its own cache must not age out of L2.
+        self.tree.touch(request.block_hashes, end + declined, priority=-request.priority)
+        if self.l3 is not None:
+            self.l3.note_use(request.block_hashes[: end + declined])
         self.access_log.admit(request, local, num_external_tokens, self.l3, self._step)
         if num_blocks == 0:
             return
@@ -240,12 +262,15 @@ class HiCacheScheduler:
             meta.storage_command = self.storage_control.on_step(
                 len(scheduler_output.num_scheduled_tokens))
         if self.l3 is not None:
-            meta.backups = self.l3.plan_backup(self.ops, self._stored_ranges, self._step)
+            meta.backups = self.l3.plan_backups(self.ops, self.tree, self._stored_ranges,
+                                                self._step)
             if self.storage_control is not None:
                 meta.backups += self.storage_control.plan_backfill(self.ops, self._step)
-            meta.prefetches = self.l3.plan_prefetches(self.tree, self._alloc_protecting)
+            meta.prefetches = self.l3.plan_prefetches(self.tree, self._alloc_protecting,
+                                                      self.load_gate)
         self._stored_ranges = []
         self._step += 1
+        self.load_gate.step_planned(scheduler_output, bool(meta.loads or meta.evict_stores))
         return meta
 
     def _completed_blocks(self, state: ReqState, num_scheduled: int) -> int:
@@ -349,6 +374,7 @@ class HiCacheScheduler:
     # --- completions, lifecycle ------------------------------------------
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.load_gate.step_done(output.kv_connector_stats)
         for req_id in output.finished_recving or ():
             op = self._inflight.finish(req_id)
             if op is not None:
@@ -398,7 +424,7 @@ class HiCacheScheduler:
             cap = controls.load_block_cap(self.block_size)
             if cap is not None:
                 chain = chain[: resident + cap]
-            self.l3.start_lookup(request.request_id, chain, resident)
+            self.l3.start_lookup(request.request_id, chain, resident, self.load_gate)
 
     def _read_controls(self, request: Request) -> RequestControls:
         """The request's kv_transfer_params controls. Bad ones never fail
@@ -442,6 +468,7 @@ class HiCacheScheduler:
         req_id = request.request_id
         self._reqs.pop(req_id, None)
         self._local_hit_tokens.pop(req_id, None)
+        self._declined.pop(req_id, None)
         self._controls.pop(req_id, None)
         self._hit_tiers.pop(req_id, None)
         self.access_log.finish(request, len(block_ids), self._step)
@@ -510,9 +537,13 @@ class HiCacheScheduler:
             key("l2_pages_used"): self.num_pages - tree.num_free_pages,
             key("l2_pages_pinned"): tree.num_locked_pages,
             key("l2_pages_total"): self.num_pages,
+            **self.load_gate.gauge_samples(),
         }
+        if self.l3 is not None:
+            gauges[key("backup_backlog_blocks")] = self.l3.backlog.num_blocks
         return self._report.take(self.stats, self.l3, gauges,
-                                 {key("kv_events_dropped"): self.events.dropped})
+                                 {key("kv_events_dropped"): self.events.dropped,
+                                  **self.load_gate.counter_samples()})
 
     def take_events(self) -> list:
         return self.events.take()

@@ -61,8 +61,19 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("store_skipped_blocks", "counter", ("tier", "reason"),
                "Blocks not stored: L2 pinned (no unpinned page to evict), L2 request_limit "
                "(beyond the request's max_offload_tokens), L3 rejected (the backend refused "
-               "the write: full, or an error), L3 present (L3 already had the object). L3 "
-               "counts objects, summed over TP ranks (each rank writes its own)."),
+               "the write: full, or an error), L3 present (L3 already had the object), L3 "
+               "backlog (a deferred backup dropped from the full backlog as the least likely "
+               "to be reused), L3 evicted (a deferred backup whose page left L2 first). L3 "
+               "rejected and present count objects, summed over TP ranks (each rank writes "
+               "its own)."),
+    MetricSpec("backup_deferred_blocks", "counter", ("event",),
+               "L2 -> L3 backups over the in-flight bound: deferred (queued in the backlog "
+               "instead of written now), flushed (written later, once L3 caught up)."),
+    MetricSpec("load_decisions", "counter", ("tier", "decision"),
+               "Prompt tokens of hits by what hicache_load_decision did with them: L2 loaded "
+               "or declined (vLLM recomputed them: loading was expected to be slower); L3 "
+               "loaded (the request waited for its prefetch) or declined (it computed them "
+               "instead; the prefetch still ran, for later requests)."),
     MetricSpec("l2_evicted_pages", "counter", (), "L2 pages evicted to make room."),
     MetricSpec("load_failed_blocks", "counter", (),
                "Blocks whose load from L2 failed on some rank (vLLM recomputed them)."),
@@ -78,6 +89,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "Bytes the L3 store holds, where the backend knows (file with max_bytes)."),
     MetricSpec("l3_capacity_bytes", "gauge", (),
                "L3 capacity in bytes, where the backend has one (file with max_bytes)."),
+    MetricSpec("backup_backlog_blocks", "gauge", (),
+               "Deferred L2 -> L3 backups waiting in the backlog."),
+    MetricSpec("estimated_bandwidth_bytes_per_second", "gauge", ("tier",),
+               "hicache_load_decision=auto: the bandwidth one rank is expected to load a hit "
+               "at: L2 (L2 -> L1) or L3 (L3 -> L2); absent until measured."),
+    MetricSpec("estimated_prefill_tokens_per_second", "gauge", (),
+               "hicache_load_decision=auto: the engine's prefill rate, as its prefill model "
+               "predicts it for a 1024-token prompt; absent until measured."),
 )
 METRIC_BY_NAME = {m.name: m for m in METRICS}
 
@@ -179,6 +198,10 @@ _PLANNER_SAMPLES = {
     "prefetch_timed_out": key("prefetches", "timed_out"),
     "skipped_lookups": key("prefetches", "backpressure"),
     "lookup_errors": key("l3_errors", "lookup"),
+    "backup_deferred": key("backup_deferred_blocks", "deferred"),
+    "backup_flushed": key("backup_deferred_blocks", "flushed"),
+    "backup_dropped": key("store_skipped_blocks", "L3", "backlog"),
+    "backup_evicted": key("store_skipped_blocks", "L3", "evicted"),
 }
 
 

@@ -256,7 +256,7 @@ def _segments(dims, strides, refuse):
     outer = axes[:k]
     native = list(strides)
     step = seg_elems
-    for stride, size, i in reversed(outer):
+    for _stride, size, i in reversed(outer):
         native[i] = step
         step *= size
     offsets = tuple(

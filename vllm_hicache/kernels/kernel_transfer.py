@@ -120,7 +120,7 @@ class KernelTransfer(KVTransfer):
             if self._pool.layout.is_native:
                 self._copy_native(layers, ids, to_host)
             else:
-                ids = ids.to(self._device)
+                ids = self._to_device(ids)
                 self._ops.copy_page_first(
                     self._bases, ids[0], ids[1], layers,
                     (self._layout.planes, self._layout.block_size, self._layout.dims[2],
@@ -142,5 +142,14 @@ class KernelTransfer(KVTransfer):
             + pages * self._host_page_bytes
         )
         src, dst = (device, host) if to_host else (host, device)
-        table = torch.stack([src.flatten(), dst.flatten()]).to(self._device)
+        table = self._to_device(torch.stack([src.flatten(), dst.flatten()]))
         self._ops.copy_items(table[0], table[1], layout.segment_elems * esize, self._unit)
+
+    def _to_device(self, table: torch.Tensor) -> torch.Tensor:
+        """Ship an address table without blocking the issuing thread: a
+        plain ``.to(device)`` waits for the current stream to drain, which
+        would make queueing layer N+1's loads wait for layer N's copies.
+        The pinned staging buffer is recycled by torch only after the copy."""
+        if self._device.type != "cuda":
+            return table
+        return table.pin_memory().to(self._device, non_blocking=True)

@@ -1,49 +1,50 @@
 """Async loads: L2 -> L1 copies for requests waiting in WAITING_FOR_REMOTE_KVS.
 
 They run between steps, off the forward's critical path: on CPU in one
-background thread, on CUDA on the worker's transfer stream with one event
-per job. A request is reported finished (``finished_recving``) only after its
-copy completed; a failed copy reports its blocks as load errors in the same
-poll, so vLLM recomputes them instead of using them. A copy that raises
-never propagates: on CPU the thread's future holds the error, on CUDA the
-exception at issue time marks the job failed. Either way the request is
-still reported finished, or the scheduler would keep its pages locked
-forever.
+background thread, on CUDA on the data path's transfer stream with one event
+per job. A request is reported finished only after its copy completed; a
+failed copy reports its blocks as load errors in the same poll, so vLLM
+recomputes them instead of using them. A copy that raises never propagates:
+on CPU the thread's future holds the error, on CUDA the exception at issue
+time marks the job failed. Either way the request is still reported
+finished, or the scheduler would keep its pages locked forever.
 
 Safety: the destination blocks belong to the waiting request alone, and the
-source pages stay locked by the scheduler half until it sees the request in
-``finished_recving``.
+source pages stay locked by the scheduler half until it sees the request
+finished.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from vllm_hicache.connector.metadata import LoadJob
+from vllm_hicache.datapath.jobs import Load
 
 logger = logging.getLogger(__name__)
 
 
 class AsyncLoader:
     def __init__(self, transfer, stream=None, clock=None, page_bytes: int = 0) -> None:
-        self._transfer = transfer
+        # The copy engine (a KVTransfer); the data path swaps it in place.
+        self.transfer = transfer
         self._stream = stream
-        # Times the copies for metrics (stats.CopyClock); None: untimed.
+        # Times the copies for metrics (connector/stats.CopyClock); None: untimed.
         self._clock = clock
         self._page_bytes = page_bytes
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="hicache-load") if stream is None else None
         )
         # req_id -> (job, future or CUDA event)
-        self._inflight: dict[str, tuple[LoadJob, object]] = {}
+        self._inflight: dict[str, tuple[Load, object]] = {}
         # Jobs already known to have failed when they were issued; their
         # handle only says when it is safe to report them.
         self._failed: set[str] = set()
 
-    def submit(self, job: LoadJob) -> None:
+    def submit(self, job: Load) -> None:
         copy = job.copy
         if self._executor is not None:
             handle = self._executor.submit(self._timed_load, copy.block_ids, copy.page_ids)
@@ -53,13 +54,13 @@ class AsyncLoader:
 
     def _timed_load(self, block_ids, page_ids, stream=None) -> None:
         if self._clock is None:
-            self._transfer.load(block_ids, page_ids)
+            self.transfer.load(block_ids, page_ids)
             return
         started = self._clock.start(stream)
-        self._transfer.load(block_ids, page_ids)
+        self.transfer.load(block_ids, page_ids)
         self._clock.stop(started, "load", len(block_ids) * self._page_bytes, stream)
 
-    def _submit_on_stream(self, job: LoadJob):
+    def _submit_on_stream(self, job: Load):
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             try:
@@ -74,7 +75,7 @@ class AsyncLoader:
             handle.record(self._stream)
         return handle
 
-    def fail(self, job: LoadJob) -> None:
+    def fail(self, job: Load) -> None:
         """Report ``job`` finished with every block failed, copying nothing
         (its source pages are known to be bad)."""
         handle: Future = Future()
@@ -98,6 +99,16 @@ class AsyncLoader:
                 self._failed.discard(req_id)
                 failed.update(job.copy.block_ids)
         return done, failed
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (bounded, polling) until every submitted copy is done; True
+        if they all are. Nothing is reported: ``poll`` still does that."""
+        deadline = time.monotonic() + timeout_s
+        while any(not self._is_done(handle) for _, handle in list(self._inflight.values())):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     @staticmethod
     def _is_done(handle) -> bool:

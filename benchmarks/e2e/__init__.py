@@ -1,0 +1,1 @@
+"""End-to-end serving benchmark (``benchmarks/bench_serve.py``): servers, clients, report."""

@@ -1,0 +1,77 @@
+"""The server's ``/metrics`` counters a benchmark phase moved (after - before)."""
+
+from __future__ import annotations
+
+import re
+
+# name -> label that splits it (None: summed over all labels).
+COUNTERS: dict[str, str | None] = {
+    "vllm:prompt_tokens_total": None,
+    "vllm:generation_tokens_total": None,
+    "vllm:request_success_total": None,
+    "vllm:num_preemptions_total": None,
+    "vllm:prefix_cache_queries_total": None,
+    "vllm:prefix_cache_hits_total": None,
+    "vllm:external_prefix_cache_hits_total": None,
+    "vllm:prompt_tokens_cached_by_source_total": "source",
+    "vllm:hicache_hit_tokens_total": "tier",
+    "vllm:hicache_transfer_bytes_total": "op",
+    "vllm:hicache_transfer_seconds_total": "op",
+    "vllm:hicache_prefetches_total": "event",
+    "vllm:hicache_l3_errors_total": "kind",
+    "vllm:hicache_load_failed_blocks_total": None,
+    "vllm:hicache_l2_evicted_pages_total": None,
+    "vllm:hicache_load_decisions_total": "decision",
+    # Server-side split of a request's time (histogram sums, seconds).
+    "vllm:time_to_first_token_seconds_sum": None,
+    "vllm:request_queue_time_seconds_sum": None,
+    "vllm:request_prefill_time_seconds_sum": None,
+    "vllm:request_queue_time_seconds_count": None,
+}
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse(text: str) -> dict[str, float]:
+    """Flat ``name`` / ``name{label=value}`` sums of the counters above."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match or match.group(1) not in COUNTERS:
+            continue
+        name, labels, value = match.groups()
+        split = COUNTERS[name]
+        key = name
+        if split is not None:
+            label = dict(_LABEL.findall(labels or "")).get(split, "")
+            key = f"{name}{{{split}={label}}}"
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(before) | set(after))
+            if after.get(k, 0.0) != before.get(k, 0.0)}
+
+
+def hit_tokens(moved: dict[str, float]) -> dict[str, float]:
+    """Prompt tokens by where their KV came from: L1 (vLLM), L2, L3, computed."""
+    src = "vllm:prompt_tokens_cached_by_source_total{source="
+    l1 = moved.get(src + "device}", moved.get("vllm:prefix_cache_hits_total", 0.0))
+    l2 = moved.get("vllm:hicache_hit_tokens_total{tier=L2}", 0.0)
+    l3 = moved.get("vllm:hicache_hit_tokens_total{tier=L3}", 0.0)
+    prompt = moved.get("vllm:prompt_tokens_total", 0.0)
+    return {"prompt": prompt, "L1": l1, "L2": l2, "L3": l3,
+            "host": moved.get(src + "host}", 0.0), "disk": moved.get(src + "disk}", 0.0),
+            "computed": prompt - l1 - l2 - l3}
+
+
+def time_split_ms(moved: dict[str, float]) -> dict[str, float]:
+    """Per request, ms: the server's TTFT, time waiting in the queue (HiCache's
+    L3 lookups and prefetches wait there) and prefill (loads included)."""
+    n = moved.get("vllm:request_queue_time_seconds_count", 0.0)
+    if not n:
+        return {}
+    return {k: 1000 * moved.get(f"vllm:{m}_seconds_sum", 0.0) / n
+            for k, m in (("ttft", "time_to_first_token"), ("queue", "request_queue_time"),
+                         ("prefill", "request_prefill_time"))}
