@@ -51,7 +51,7 @@ serve: $(STAMP) $(MODEL)/.complete
 
 # ruff (configured in pyproject.toml); part of `make test`, so CI runs it.
 lint: $(STAMP)
-	$(PY) -m ruff check vllm_hicache tests benchmarks examples
+	$(PY) -m ruff check vllm_hicache tests benchmarks examples scripts
 
 # pytest exit 5 (nothing collected) is a failure, like any other non-zero.
 test: $(STAMP) $(MODEL)/.complete lint
