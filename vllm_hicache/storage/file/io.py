@@ -128,11 +128,12 @@ def make_fanout_dirs(final: str, mode: int, umask: int) -> None:
     make_dir(leaf, mode, umask)
 
 
-def check_owner(root: str, allow_shared_dir: bool) -> None:
-    """ValueError if others can write ``root`` (and that is not allowed)."""
+def check_owner(root: str, allow_shared_dir: bool, owner: str = "file backend") -> None:
+    """ValueError if others can write ``root`` (and that is not allowed);
+    ``owner`` names the backend in the message."""
     st = os.stat(root)
     if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"file backend option path={root!r} is not a directory")
+        raise ValueError(f"{owner} option path={root!r} is not a directory")
     problems = []
     if st.st_mode & stat.S_IWOTH:
         problems.append(f"it is writable by every user (mode {stat.S_IMODE(st.st_mode):04o})")
@@ -141,7 +142,7 @@ def check_owner(root: str, allow_shared_dir: bool) -> None:
                         f"{os.geteuid()})")
     if problems and not allow_shared_dir:
         raise ValueError(
-            f"file backend: refusing directory {root!r}: {' and '.join(problems)}, so others "
+            f"{owner}: refusing directory {root!r}: {' and '.join(problems)}, so others "
             "can replace its objects. Use a directory of your own (chmod o-w), or set "
             "allow_shared_dir: true (then set storage_secret, so objects others plant are misses)"
         )

@@ -78,7 +78,7 @@ class NixlBackend(StorageBackend):
         if self.config.plugin == "POSIX":
             from vllm_hicache.storage.nixl.posix import PosixStore
 
-            return PosixStore(self._engine, self._staging, str(self.config.path))
+            return PosixStore(self._engine, self._staging, self.config)
         from vllm_hicache.storage.nixl.obj import ObjStore
 
         return ObjStore(self._engine, self._staging, self.config)

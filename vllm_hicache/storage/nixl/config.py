@@ -25,16 +25,18 @@ from vllm_hicache.storage.options import (
     Options,
     choice,
     directory,
+    flag,
     number,
     option,
     optional,
     parse_options,
+    permissions,
     string_map,
     text,
 )
 
 PLUGINS = ("POSIX", "OBJ")
-_POSIX_ONLY = ("path", "posix_backend_params")
+_POSIX_ONLY = ("path", "posix_backend_params", "file_mode", "dir_mode", "allow_shared_dir")
 _OBJ_ONLY = ("bucket", "endpoint_override", "region", "access_key", "secret_key",
              "scheme", "key_prefix", "obj_backend_params")
 # Linux AIO (libaio). Not POSIX AIO: with use_posix_aio one failed I/O (e.g.
@@ -59,6 +61,13 @@ class NixlConfig(Options):
     # above), "ios_pool_size", "kernel_queue_size"; {} = the plugin's default.
     posix_backend_params: Mapping[str, str] = option(
         default_factory=lambda: dict(_DEFAULT_POSIX_PARAMS), parse=string_map)
+    # POSIX: permissions of the files and directories the store creates,
+    # exactly (the umask does not apply), as the file backend's: owner-only
+    # by default, e.g. "0660"/"0770" for a store shared by a group; a store
+    # directory others can write to is refused unless allow_shared_dir.
+    file_mode: int = option(0o600, parse=permissions(0o600))
+    dir_mode: int = option(0o700, parse=permissions(0o700))
+    allow_shared_dir: bool = option(False, parse=flag)
     # OBJ: bucket holding the objects (must exist; needs boto3 for the
     # start-up check and clear).
     bucket: str | None = option(None, parse=optional(text(empty=False)))

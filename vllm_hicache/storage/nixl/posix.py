@@ -21,6 +21,9 @@ Invariants:
   NIXL reads into a staging slot, copied to the caller's buffers only when
   the read completed within the call.
 - ``clear`` removes only object files and temp files in the fan-out directories.
+- Files are created ``file_mode`` (0600) and directories ``dir_mode`` (0700)
+  exactly, whatever the umask (the file backend's helpers), and a store
+  directory others can write to is refused unless ``allow_shared_dir``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from functools import partial
 
 from vllm_hicache.storage.base import Buffers
 from vllm_hicache.storage.buffers import address, gather, scatter, total_bytes
+from vllm_hicache.storage.file import io as file_io
+from vllm_hicache.storage.nixl.config import NixlConfig
 from vllm_hicache.storage.nixl.engine import Job, NixlEngine
 from vllm_hicache.storage.nixl.staging import StagingSlots
 
@@ -43,16 +48,24 @@ _FAN_OUT = 256
 
 
 class PosixStore:
-    def __init__(self, engine: NixlEngine, staging: StagingSlots, root: str) -> None:
+    def __init__(self, engine: NixlEngine, staging: StagingSlots, config: NixlConfig) -> None:
         self.engine = engine
         self.staging = staging
-        self.root = os.path.abspath(root)
+        self.root = os.path.abspath(str(config.path))
+        self._file_mode, self._dir_mode = config.file_mode, config.dir_mode
+        self._umask = file_io.process_umask()
         self._seq = itertools.count()
         try:
+            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            file_io.make_dir(self.root, self._dir_mode, self._umask)
+            file_io.check_owner(self.root, config.allow_shared_dir, "nixl backend (POSIX)")
             for i in range(_FAN_OUT):
-                os.makedirs(os.path.join(self.root, f"{i:02x}"), exist_ok=True)
+                file_io.make_dir(os.path.join(self.root, f"{i:02x}"), self._dir_mode, self._umask)
             probe = self._temp_path("probe")
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            fd = self._create(probe)
+            if fd is None:
+                raise OSError(f"cannot create {probe}")
+            os.close(fd)
             os.unlink(probe)
         except OSError as err:
             raise ValueError(f"nixl backend (POSIX): cannot use directory path={self.root!r}: "
@@ -138,13 +151,40 @@ class PosixStore:
 
         return Job([(address(slot), total)], [(0, total, fd)], finish, keep=slot)
 
+    def _create(self, path: str) -> int | None:
+        """A new file with exactly ``file_mode``; its fan-out directory is made
+        again if someone removed it. None if it cannot be created."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        for attempt in range(2):
+            try:
+                fd = os.open(path, flags, self._file_mode)
+            except FileNotFoundError:
+                if attempt:
+                    return None
+                try:
+                    file_io.make_dir(os.path.dirname(path), self._dir_mode, self._umask)
+                except OSError:
+                    return None
+                continue
+            except OSError:
+                return None
+            if self._file_mode & self._umask:
+                try:
+                    os.fchmod(fd, self._file_mode)
+                except OSError:
+                    os.close(fd)
+                    _unlink(path)
+                    return None
+            return fd
+        return None
+
     def _write_job(self, key: str, source: Buffers) -> Job | None:
         total = total_bytes(source)
         slot = self.staging.take(total) if total else None
         if slot is None:
             return None
         temp = self._temp_path(key)
-        fd = _create(temp)
+        fd = self._create(temp)
         try:
             if fd is None:
                 raise OSError("cannot create the temp file")
@@ -176,20 +216,6 @@ class PosixStore:
         return False
 
 
-def _create(path: str) -> int | None:
-    """A new file; its fan-out directory is made again if someone removed it."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    try:
-        return os.open(path, flags, 0o644)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        return None
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return os.open(path, flags, 0o644)
-    except OSError:
-        return None
 
 
 def _unlink(path: str) -> None:
