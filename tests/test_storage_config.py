@@ -82,8 +82,8 @@ def test_secret_inline_and_from_file(tmp_path):
     f.write_text(SECRET + "\n")
     from_file = security(storage_secret=f"@{f}", storage_encrypt=True)
     assert inline.secret == from_file.secret
-    assert (inline.protection, from_file.protection) == ("mac", "aead")
-    assert inline.key_protection == "mac:" + inline.secret.namespace_tag
+    assert (inline.protection, from_file.protection) == ("gmac", "aead")
+    assert inline.key_protection == "gmac:" + inline.secret.namespace_tag
     assert dict(from_file.backend_options) == {"path": "/x"}  # never reaches the backend
     assert security().secret is None and security().key_protection == ""
     assert security(storage_secret=SECRET + "x").key_protection != inline.key_protection

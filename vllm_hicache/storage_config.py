@@ -62,10 +62,11 @@ class StorageConfig:
 
     @property
     def protection(self) -> str:
-        """How objects are sealed: "checksum", "mac" or "aead"."""
+        """How objects are sealed (sealing.py's codec names): "checksum",
+        "gmac" or "aead"."""
         if self.secret is None:
             return "checksum"
-        return "aead" if self.encrypt else "mac"
+        return "aead" if self.encrypt else "gmac"
 
     @property
     def key_protection(self) -> str:

@@ -167,4 +167,4 @@ def test_canary_with_a_secret(make_pages, encrypt):
     pages.backend.get = flipping
     result = run_canary(pages)
     assert result.outcome == FAILED
-    assert f"header or {'aead' if encrypt else 'mac'} mismatch" in result.detail
+    assert f"header or {'aead' if encrypt else 'gmac'} mismatch" in result.detail

@@ -57,7 +57,7 @@ def opens(codec: ObjectCodec, key: str, header: np.ndarray, body: np.ndarray,
 
 CODECS = {
     "checksum": lambda: ChecksumCodec(),
-    "mac": lambda: MacCodec(SECRET),
+    "gmac": lambda: MacCodec(SECRET),
     "aead": lambda: AeadCodec(SECRET),
 }
 
@@ -91,20 +91,32 @@ def test_object_moved_to_another_key_is_a_miss(name, payload):
     assert not opens(codec, "k2", header, body)
 
 
-@pytest.mark.parametrize("reader", ["mac", "aead"])
-@pytest.mark.parametrize("forger", ["checksum", "mac-other", "aead-other", "mac", "aead"])
+@pytest.mark.parametrize("reader", ["gmac", "aead"])
+@pytest.mark.parametrize("forger", ["checksum", "gmac-other", "aead-other", "gmac", "aead"])
 def test_forged_objects_are_misses(reader, forger, payload):
     """Scenario: someone who can write the store but lacks our secret plants
     an object with valid checksums (or sealed with their own secret) under
     our key. A reader with the secret must refuse it; only an object sealed
     with the same secret and mode opens."""
     forgers = {
-        "checksum": ChecksumCodec(), "mac-other": MacCodec(OTHER), "aead-other": AeadCodec(OTHER),
-        "mac": MacCodec(SECRET), "aead": AeadCodec(SECRET),
+        "checksum": ChecksumCodec(), "gmac-other": MacCodec(OTHER), "aead-other": AeadCodec(OTHER),
+        "gmac": MacCodec(SECRET), "aead": AeadCodec(SECRET),
     }
     header, body = seal(forgers[forger], "k1", payload)
     assert fmt.header_matches(header, "k1", body) == (forger == "checksum")
     assert opens(CODECS[reader](), "k1", header, body) == (forger == reader)
+
+
+def test_gmac_leaves_the_payload_readable_and_binds_the_nonce(payload):
+    """The MAC stores the page as it is; changing the stored nonce (or
+    zeroing it) breaks the tag."""
+    codec = MacCodec(SECRET)
+    header, body = seal(codec, "k1", payload)
+    assert np.array_equal(body, payload) and header[36:48].any()
+    for nonce in (bytes(12), bytes(11) + b"\x01"):
+        bad = header.copy()
+        bad[36:48] = np.frombuffer(nonce, np.uint8)
+        assert not opens(codec, "k1", bad, body)
 
 
 def test_a_downgraded_object_is_a_miss(payload):
@@ -125,11 +137,12 @@ def test_reader_without_the_secret_gets_nothing_usable(payload):
         assert not opens(reader, "k1", header, body)
 
 
-def test_nonces_never_repeat(payload):
-    codec = AeadCodec(SECRET)
+@pytest.mark.parametrize("codec", [AeadCodec(SECRET), MacCodec(SECRET)], ids=["aead", "gmac"])
+def test_nonces_never_repeat(codec, payload):
     headers = [seal(codec, "k1", payload)[0] for _ in range(200)]
     nonces = {h[36:48].tobytes() for h in headers}
     assert len(nonces) == 200
+    codec = AeadCodec(SECRET)
     # Same page, same key, fresh nonce: a different ciphertext each time.
     assert not np.array_equal(seal(codec, "k1", payload)[1], seal(codec, "k1", payload)[1])
 
@@ -152,7 +165,7 @@ def test_make_codec():
 
 def test_keys_are_derived_not_the_secret():
     secret = StorageSecret(b"k" * 32)
-    keys = {secret.derive("mac"), secret.derive("aead"), secret.derive("namespace", 8)}
+    keys = {secret.derive("gmac"), secret.derive("aead"), secret.derive("namespace", 8)}
     assert len(keys) == 3 and b"k" * 32 not in keys
     assert secret.namespace_tag == StorageSecret(b"k" * 32).namespace_tag
     assert secret.namespace_tag != OTHER.namespace_tag

@@ -6,12 +6,13 @@
     6       2     header size (64)
     8       8     payload length in bytes
     16      16    blake2b-128 of the object key (the key names namespace + block)
-    32      1     protection: 0 checksum, 1 MAC, 2 AEAD (encrypted payload)
+    32      1     protection: 0 checksum, 2 AEAD (encrypted payload), 3 MAC
+                  (1 was a keyed-BLAKE3 MAC, no longer accepted)
     33      3     zero
-    36      12    AEAD nonce (random per object); zero otherwise
+    36      12    nonce (AEAD, MAC: random per object); zero otherwise
     48      16    check over bytes 0..48 and the payload:
                     checksum  xxh3-128 (catches corruption, not forgery)
-                    MAC       keyed BLAKE3, 128 bits, key derived from
+                    MAC       AES-256-GMAC tag, key derived from
                               storage_secret (catches forgery too)
                     AEAD      the AES-256-GCM tag: bytes 0..48 are its
                               associated data, the payload its ciphertext
@@ -41,8 +42,10 @@ HEADER_BYTES = 64
 FIELD_BYTES = 48
 CHECK_BYTES = HEADER_BYTES - FIELD_BYTES
 NONCE_BYTES = 12
-# Protection modes (byte 32).
-CHECKSUM, MAC, AEAD = 0, 1, 2
+# Protection modes (byte 32). 1 (a keyed-BLAKE3 MAC, before GMAC) is retired:
+# its objects live under other keys (the mode is in the key namespace).
+CHECKSUM, AEAD, MAC = 0, 2, 3
+_NONCED = (AEAD, MAC)
 _FIELDS = struct.Struct("<4sHHQ16sB3x12s")
 _ZERO_NONCE = bytes(NONCE_BYTES)
 assert _FIELDS.size == FIELD_BYTES
@@ -69,7 +72,7 @@ def fields_nonce(header: np.ndarray, key: str, payload_bytes: int,
     if (magic != MAGIC or version != VERSION or size != HEADER_BYTES
             or length != payload_bytes or mode != protection or digest != key_digest(key)):
         return None
-    if protection != AEAD and nonce != _ZERO_NONCE:
+    if protection not in _NONCED and nonce != _ZERO_NONCE:
         return None
     return nonce
 
