@@ -70,15 +70,6 @@ def test_gpu_check_parses_and_is_executable():
     assert out.returncode == 0, out.stderr
 
 
-def test_gpu_check_refuses_without_cuda():
-    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 2, (out.stdout, out.stderr)
-    assert "refused: no CUDA device" in out.stderr
-    assert "== gpu_tests" not in out.stdout  # nothing ran
-
-
 def test_gpu_check_refuses_without_python():
     env = {**os.environ, "PYTHON": "/nonexistent/python"}
     out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
