@@ -23,3 +23,11 @@ def tiny_model_dir() -> Path:
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(REPO / ".cache" / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir() -> Path:
+    """A Gemma3-like model: sliding-window and full-attention layers (hybrid)."""
+    from tests.hybrid_models import build_tiny_gemma3
+
+    return build_tiny_gemma3(REPO / ".cache" / "tiny-gemma3")

@@ -108,3 +108,99 @@ def test_helpers():
     assert loadable_block_limit(64, 32) == 1
     assert loadable_block_limit(65, 32) == 2
     assert loadable_block_limit(0, 32) == 0
+
+
+# --- head slices (heterogeneous TP, tp_lcm_size) ------------------------------
+
+
+def sliced(tp_size: int, tp_rank: int, slices: int = 4) -> KeyNamespace:
+    return dataclasses.replace(NS, tp_size=tp_size, tp_rank=tp_rank, head_slices=slices,
+                               head_slice=tp_rank * (slices // tp_size))
+
+
+def test_head_slicing_maps_ranks_onto_contiguous_slices():
+    from vllm_hicache.keys import HeadSlicing
+
+    s = HeadSlicing(num_slices=4, total_kv_heads=8, tp_size=2)
+    assert (s.heads_per_slice, s.slices_per_rank) == (2, 2)
+    assert [list(s.rank_slices(r)) for r in range(2)] == [[0, 1], [2, 3]]
+    # Rank r's local heads [j*2, j*2+2) are global heads of slice r*2+j:
+    # rank 1 holds global heads 4..7, i.e. slices 2 and 3.
+    assert [list(HeadSlicing(4, 8, 4).rank_slices(r)) for r in range(4)] == [[0], [1], [2], [3]]
+    assert list(HeadSlicing(4, 8, 1).rank_slices(0)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("slices, tp, heads, is_mla, match", [
+    (3, 2, 6, False, "not a multiple of this instance's tensor_parallel_size=2"),
+    (4, 8, 8, False, "not a multiple of this instance's tensor_parallel_size=8"),
+    (4, 2, 6, False, "6 KV heads cannot be cut into 4 equal slices"),
+    (2, 1, 2, True, "does not apply to MLA"),
+])
+def test_bad_head_slicing_is_refused_naming_the_key(slices, tp, heads, is_mla, match):
+    from vllm_hicache.keys import HeadSlicing, check_head_slicing
+
+    with pytest.raises(ValueError, match=match) as err:
+        check_head_slicing(slices, tp, heads, is_mla)
+    assert "tp_lcm_size" in str(err.value)
+    if not is_mla:
+        with pytest.raises(ValueError, match=match):
+            HeadSlicing(slices, heads, tp)
+
+
+def test_sliced_keys_do_not_depend_on_the_tp_size():
+    whole = [ns.tag for ns in sliced(1, 0).page_namespaces()]
+    for tp in (2, 4):
+        per_rank = [ns.tag for r in range(tp) for ns in sliced(tp, r).page_namespaces()]
+        assert per_rank == whole
+    assert [t.rsplit("-", 1)[1] for t in whole] == ["s0", "s1", "s2", "s3"]
+    assert sliced(2, 1).object_keys([b"\x07"]) == [whole[2] + "-07"]
+    # Not the keys of per-rank objects, nor of another slicing.
+    assert not set(whole) & {NS.for_rank(r).tag for r in range(2)}
+    assert not set(whole) & {ns.tag for ns in sliced(1, 0, slices=2).page_namespaces()}
+    # for_rank moves to the other rank's first slice.
+    assert sliced(2, 0).for_rank(1) == sliced(2, 1)
+
+
+def test_sliced_keys_still_carry_the_pp_rank():
+    stage1 = dataclasses.replace(sliced(2, 1), pp_size=2, pp_rank=1)
+    assert stage1.tag.endswith("-p1s2")
+    assert stage1.tag != dataclasses.replace(stage1, pp_rank=0).tag
+
+
+@pytest.mark.parametrize("head_slice", [0, 1, 4])
+def test_a_slice_of_another_rank_is_refused(head_slice):
+    with pytest.raises(ValueError, match="bad L3 key shard"):
+        dataclasses.replace(NS, tp_size=2, tp_rank=1, head_slices=4, head_slice=head_slice)
+
+
+def test_names_keyed_by_the_secret_hide_the_block_hash():
+    """With a storage secret, an object's name is a keyed hash of the block
+    hash: listing the store does not reveal which block hashes (prompts a
+    lister can guess and hash as vLLM does) are cached."""
+    hashes = [os.urandom(32) for _ in range(3)]
+    plain = NS.object_keys(hashes)
+    keyed = dataclasses.replace(NS, name_key=b"k" * 32)
+    names = keyed.object_keys(hashes)
+    assert names == keyed.object_keys(hashes)  # deterministic: lookups find writes
+    assert len(set(names)) == 3 and names != plain
+    for h, name in zip(hashes, names):
+        assert h.hex() not in name and name.startswith(NS.tag + "-")
+        assert len(name.rsplit("-", 1)[1]) == 64
+    other = dataclasses.replace(NS, name_key=b"j" * 32).object_keys(hashes)
+    assert not set(other) & set(names)
+    assert "k" * 8 not in repr(keyed) and "name_key" not in repr(keyed)
+
+
+def test_storage_config_derives_the_name_key_from_the_secret():
+    from vllm_hicache.storage_config import parse_storage
+
+    def cfg(**extra):
+        return parse_storage({"hicache_storage_backend": "file",
+                              "hicache_storage_backend_extra_config": extra})
+
+    secret = "s" * 32
+    assert cfg().object_name_key == b""
+    key = cfg(storage_secret=secret).object_name_key
+    assert len(key) == 32 and secret.encode() not in key
+    assert key == cfg(storage_secret=secret).object_name_key
+    assert key != cfg(storage_secret="t" * 32).object_name_key

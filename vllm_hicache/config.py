@@ -89,6 +89,16 @@ class HiCacheConfig:
     # Disk the log may use, in MB (1e6 bytes): it rotates into "<log>.1"
     # (replacing the previous one) at half of it.
     hicache_access_log_max_mb: float = 1024.0
+    # The decode role of a prefill/decode-disaggregated deployment (README
+    # "Prefill/decode disaggregation"; SGLang
+    # --disaggregation-decode-enable-offload-kvcache). HiCache then never
+    # looks up or loads anything (NixlConnector delivers the prompt's KV):
+    # the full blocks of every request, the prompt received from prefill and
+    # the generated tokens, are written through L2 (a staging buffer, never
+    # read) to L3 in the background, where the next turn's prefill, on any
+    # prefill instance, finds them. Needs an L3 backend, kv_role
+    # "kv_consumer" and hicache_write_policy "write_through".
+    hicache_decode_offload: bool = False
 
     @property
     def host_bytes_override(self) -> int:
@@ -104,7 +114,8 @@ class HiCacheConfig:
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> HiCacheConfig:
         """Parse and validate ``kv_connector_extra_config``; the only entry point."""
         extra = dict(extra or {})
-        storage = parse_storage({k: extra.pop(k) for k in STORAGE_KEYS if k in extra})
+        raw_storage_keys = [k for k in STORAGE_KEYS if k in extra]
+        storage = parse_storage({k: extra.pop(k) for k in raw_storage_keys})
         known = {f.name for f in dataclasses.fields(cls)} - {"storage"}
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -114,12 +125,17 @@ class HiCacheConfig:
             )
         values = {name: _parse_field(name, value) for name, value in extra.items()}
         _check_admin_bind(values)
+        _check_decode_offload(values, storage, given=set(extra) | set(raw_storage_keys))
         return resolve_conflicts(cls(**values, storage=storage))
 
 
 def _parse_field(name: str, value: Any) -> Any:
     if name in ("hicache_ratio", "hicache_size"):
         return _parse_number(name, value)
+    if name == "hicache_decode_offload":
+        if not isinstance(value, bool):
+            raise ValueError(f"invalid hicache_decode_offload={value!r}; expected true or false")
+        return value
     if name == "model_version":
         return _parse_model_version(value)
     if name in _ADMIN_PARSERS:
@@ -256,6 +272,67 @@ def _check_admin_bind(values: Mapping[str, Any]) -> None:
             f"admin_api_host={host!r} is not a loopback address and admin_api_key is not set; "
             "set admin_api_key (e.g. @/path/to/file) or bind 127.0.0.1"
         )
+
+
+# Keys that only steer loads, or log hits for the capacity planner: a
+# decode-offload instance never loads, so setting one there is a mistake.
+_UNUSED_ON_DECODE_KEYS = ("hicache_load_mode", "hicache_load_decision",
+                   "hicache_storage_prefetch_policy", "hicache_access_log",
+                   "hicache_access_log_sample", "hicache_access_log_max_mb")
+
+
+def _check_decode_offload(values: Mapping[str, Any], storage: StorageConfig | None,
+                          given: set[str]) -> None:
+    """hicache_decode_offload hands a turn's KV to the next turn's prefill
+    through L3 only, and must get every full block there."""
+    if not values.get("hicache_decode_offload"):
+        return
+    if storage is None:
+        raise ValueError(
+            "hicache_decode_offload=true needs an L3 backend: set hicache_storage_backend "
+            "(and hicache_storage_backend_extra_config) to the storage the prefill "
+            "instances read; a decode instance passes its KV on only through L3")
+    policy = values.get("hicache_write_policy", "write_through")
+    if policy != "write_through":
+        raise ValueError(
+            f"hicache_decode_offload=true needs hicache_write_policy='write_through' "
+            f"(got {policy!r}): every full block must reach L3 before the next turn, "
+            "not after a second hit or an eviction from L1")
+    unused = sorted(given & set(_UNUSED_ON_DECODE_KEYS))
+    if unused:
+        raise ValueError(
+            f"{', '.join(unused)} set with hicache_decode_offload=true: a decode-offload "
+            "instance never loads (NixlConnector delivers the prompt's KV) and has no hits "
+            "to log, so these keys would do nothing; remove them")
+
+
+# vLLM's kv_role values (vllm.config.kv_transfer.KVRole).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+def check_kv_role(cfg: HiCacheConfig, kv_role: str | None) -> None:
+    """Refuse a HiCache ``kv_role`` that contradicts hicache_decode_offload.
+
+    In a MultiConnector, HiCache's entry carries the instance's PD role, like
+    the NixlConnector entry next to it: "kv_producer" on prefill instances
+    (HiCache loads hits and stores, as on a single instance), "kv_consumer"
+    on decode instances (HiCache only offloads), "kv_both" without PD.
+    """
+    role = kv_role or "kv_both"
+    if role not in KV_ROLES:
+        raise ValueError(f"invalid kv_role={kv_role!r} for HiCacheConnector; accepted: "
+                         f"{', '.join(KV_ROLES)}")
+    if cfg.hicache_decode_offload and role != "kv_consumer":
+        raise ValueError(
+            f"hicache_decode_offload=true is the decode instance's role, but HiCache's "
+            f"kv_role={role!r}: set kv_role='kv_consumer' (as NixlConnector's on decode) or "
+            "drop hicache_decode_offload (prefill instances load and store as usual)")
+    if role == "kv_consumer" and not cfg.hicache_decode_offload:
+        raise ValueError(
+            "HiCache's kv_role='kv_consumer' (a decode instance) needs "
+            "hicache_decode_offload=true: on decode NixlConnector delivers the prompt's KV "
+            "and HiCache may only offload; use kv_role='kv_producer' on prefill instances "
+            "or 'kv_both' without PD")
 
 
 def _parse_number(name: str, value: Any) -> float:

@@ -51,6 +51,12 @@ class StorageConfig:
     prefetch_timeout_base: float = option(2.0, parse=number(0.0))
     prefetch_timeout_per_ki_token: float = option(0.1, parse=number(0.0))
     prefetch_timeout_max: float = option(30.0, parse=number(0.0))
+    # Heterogeneous TP (SGLang's tp_lcm_size): objects hold 1/tp_lcm_size of
+    # the model's KV heads each, keyed by slice rather than by TP rank, so
+    # instances whose TP sizes divide it share objects. 0 = off (one object
+    # per TP rank). Checked against the model and TP size at start
+    # (keys.check_head_slicing).
+    tp_lcm_size: int = option(0, parse=integer(0))
     # Everything else in hicache_storage_backend_extra_config: the backend's
     # own options, validated by the backend when it is built.
     backend_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -67,6 +73,12 @@ class StorageConfig:
         if self.secret is None:
             return "checksum"
         return "aead" if self.encrypt else "gmac"
+
+    @property
+    def object_name_key(self) -> bytes:
+        """The key object names are hashed with (keys.KeyNamespace.name_key):
+        b"" without a secret. Derived from the secret, never the secret."""
+        return b"" if self.secret is None else self.secret.derive("object names")
 
     @property
     def key_protection(self) -> str:

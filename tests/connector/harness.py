@@ -197,6 +197,7 @@ def expected_value(req: Request, pos: int, layer: int, plane: int) -> float:
 
 def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
                  max_batched: int = 256, load_failure_policy: str = "recompute",
+                 kv_role: str = "kv_both",
                  **extra) -> Harness:
     init_none_hash(sha256)
     extra.setdefault("hicache_io_backend", "direct")
@@ -210,7 +211,7 @@ def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HiCacheConnector", kv_connector_module_path="vllm_hicache",
-            kv_role="kv_both", kv_connector_extra_config=extra,
+            kv_role=kv_role, kv_connector_extra_config=extra,
             kv_load_failure_policy=load_failure_policy),
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

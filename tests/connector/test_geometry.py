@@ -9,7 +9,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from tests.conftest import make_config
-from vllm_hicache.connector.geometry import geometry_from, host_num_pages
+from vllm_hicache.connector.geometry import fit_config_to_groups, geometry_from, host_num_pages
 
 
 def kv_config(*specs, num_blocks=100):
@@ -36,11 +36,96 @@ def test_mla_geometry():
     assert geom.bytes_per_block == 2 * 32 * 576 * 2
 
 
-def test_hybrid_model_refused_with_reason():
-    swa = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64,
-                            dtype=torch.bfloat16, sliding_window=128)
-    with pytest.raises(ValueError, match="Hybrid models"):
-        geometry_from(kv_config(FULL, swa))
+SWA = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64,
+                        dtype=torch.bfloat16, sliding_window=128)
+
+
+def test_sliding_and_full_groups_share_one_page_per_position():
+    geom = geometry_from(kv_config(SWA, FULL, num_blocks=100))
+    assert [g.kind for g in geom.groups] == ["sliding", "full"]
+    assert [g.layers for g in geom.groups] == [range(0, 2), range(2, 4)]
+    assert geom.groups[0].sliding_window_tokens == 128
+    assert geom.layer_names == ("l0.a", "l0.b", "l1.a", "l1.b")
+    # A page: one block position of all four layers.
+    assert geom.bytes_per_block == 4 * 2 * 32 * 2 * 64 * 2
+    assert geom.group_block_id(0, 7) == 7 and geom.group_block_id(1, 7) == 107
+
+
+def mamba_spec(**overrides):
+    """A Mamba state group whose padded page is one FULL page, as vLLM pads it."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    params = dict(block_size=32, shapes=((3, 160), (8, 16, 16)),
+                  dtypes=(torch.float32, torch.float32),
+                  page_size_padded=FULL.page_size_bytes, mamba_cache_mode="align")
+    params.update(overrides)
+    return MambaSpec(**params)
+
+
+def test_mamba_and_attention_groups_share_one_page_per_position():
+    geom = geometry_from(kv_config(mamba_spec(), FULL, num_blocks=100))
+    assert [g.kind for g in geom.groups] == ["mamba", "full"]
+    assert geom.mamba_groups == (0,)
+    # The page layout is the attention group's, whichever group comes first.
+    assert (geom.num_kv_heads, geom.head_size, geom.kv_dtype) == (2, 64, "bfloat16")
+    assert geom.bytes_per_block == 4 * FULL.page_size_bytes
+    assert geom.group_block_id(1, 3) == 103
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"mamba_cache_mode": "all"}, r"group 0 \(MambaSpec.*mamba_cache_mode is 'all'"),
+    ({"mamba_cache_mode": "none"}, r"mamba_cache_mode is 'none'"),
+    ({"num_speculative_blocks": 1}, r"num_speculative_blocks=1.*speculative_config"),
+    ({"page_size_padded": None}, r"block size and page bytes"),
+    ({"block_size": 64}, r"block size and page bytes"),
+])
+def test_mamba_groups_a_page_cannot_hold_refused_naming_them(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        geometry_from(kv_config(mamba_spec(**overrides), FULL))
+
+
+def test_mamba_with_head_slices_refused_naming_the_key():
+    geom = geometry_from(kv_config(mamba_spec(), FULL))
+    cfg = make_config(hicache_storage_backend="file",
+                      hicache_storage_backend_extra_config={"path": "/tmp/x", "tp_lcm_size": 2})
+    with pytest.raises(ValueError, match="tp_lcm_size .*Mamba"):
+        fit_config_to_groups(cfg, geom, {})
+
+
+def test_mamba_groups_without_attention_refused():
+    with pytest.raises(ValueError, match="needs an attention KV cache group"):
+        geometry_from(kv_config(mamba_spec(), mamba_spec()))
+
+
+def test_groups_with_different_block_shapes_refused():
+    other = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=64,
+                              dtype=torch.bfloat16, sliding_window=128)
+    with pytest.raises(ValueError, match="same per-layer block shape"):
+        geometry_from(kv_config(FULL, other))
+
+
+def test_chunked_local_group_refused():
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    local = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                      dtype=torch.bfloat16, attention_chunk_size=64)
+    with pytest.raises(ValueError, match="ChunkedLocalAttentionSpec.*full attention, "
+                                         "sliding window and Mamba state"):
+        geometry_from(kv_config(FULL, local))
+
+
+def test_hybrid_load_mode_becomes_async_unless_set():
+    geom = geometry_from(kv_config(SWA, FULL))
+    assert fit_config_to_groups(make_config(), geom, {}).hicache_load_mode == "async"
+    with pytest.raises(ValueError, match="hicache_load_mode=layerwise is not supported for "
+                                         "hybrid models"):
+        fit_config_to_groups(make_config(hicache_load_mode="layerwise"), geom,
+                             {"hicache_load_mode": "layerwise"})
+    with pytest.raises(ValueError, match="hicache_write_policy=write_back"):
+        fit_config_to_groups(make_config(hicache_write_policy="write_back"), geom, {})
+    # One group: nothing changes.
+    single = geometry_from(kv_config(FULL))
+    assert fit_config_to_groups(make_config(), single, {}).hicache_load_mode == "layerwise"
 
 
 def test_sliding_window_in_full_attention_spec_is_served():
@@ -54,7 +139,7 @@ def test_non_attention_spec_refused():
     from vllm.v1.kv_cache_interface import MambaSpec
 
     spec = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
-    with pytest.raises(ValueError, match="full-attention and MLA KV caches only; got MambaSpec"):
+    with pytest.raises(ValueError, match="full-attention and MLA KV caches only .*got MambaSpec"):
         geometry_from(kv_config(spec))
 
 

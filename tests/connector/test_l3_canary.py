@@ -220,7 +220,7 @@ def test_failing_reads_of_an_intact_object_are_not_a_failure(make_store, caplog)
 
 def test_disabled_worker_still_completes_the_schedulers_ops(make_store):
     pages = make_store(FlippingBackend)
-    io = StorageIO(guard_with_canary(pages), tp_rank=0, writes=True)
+    io = StorageIO(guard_with_canary(pages), rank=0, writes=True)
     try:
         io.submit_backup(BackupJob(1, (b"b" * 32,), (1,)))
         io.submit_prefetch(PrefetchJob(2, (b"b" * 32,), (2,)))
@@ -265,3 +265,27 @@ def test_build_storage_io_runs_the_canary(tmp_path):
     finally:
         io.shutdown()
         STORES.pop(store, None)
+
+
+# --- head slices (tp_lcm_size) ---------------------------------------------------
+
+
+def test_canary_of_head_slices_round_trips_and_catches_a_reordering_store(make_store):
+    """A page of two slices: both objects are written and checked."""
+    sliced = dataclasses.replace(NS, head_slices=2)
+    pages = make_store(ns=sliced)
+    assert run_canary(pages).outcome == "passed"
+    assert len(STORES[pages.backend.store_name]) == 2  # one object per slice
+    result = run_canary(make_store(ReorderingBackend, ns=sliced))
+    assert result.outcome == FAILED
+
+
+def test_canary_keys_of_sliced_instances_of_other_tp_sizes_differ():
+    """TP=1 and TP=2 rank 0 share slice 0's tag but write other bytes under
+    it: their canaries must not overwrite each other's."""
+    tp1 = dataclasses.replace(NS, head_slices=2)
+    tp2 = dataclasses.replace(NS, tp_size=2, head_slices=2)
+    assert tp1.tag == tp2.tag
+    assert canary_hash(tp1) != canary_hash(tp2)
+    # Without slices the key is unchanged (the tag already names the TP size).
+    assert canary_hash(NS) == canary_hash(dataclasses.replace(NS, head_slices=0))

@@ -34,7 +34,8 @@ IDENTITY_LOGGER = "vllm_hicache.connector.l3_identity"
 
 
 def fake_config(algo="sha256", pp=1, tp=1, model="org/model", revision=None,
-                kv_cache_layout=None, backend=None):
+                kv_cache_layout=None, backend=None, total_kv_heads=HEADS,
+                total_layers=LAYERS):
     from vllm.config import CacheConfig
 
     cache = CacheConfig(block_size=BLOCK)
@@ -43,7 +44,10 @@ def fake_config(algo="sha256", pp=1, tp=1, model="org/model", revision=None,
     return SimpleNamespace(
         cache_config=cache,
         parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
-        model_config=SimpleNamespace(model=str(model), revision=revision),
+        model_config=SimpleNamespace(
+            model=str(model), revision=revision,
+            get_total_num_kv_heads=lambda: total_kv_heads,
+            get_total_num_hidden_layers=lambda: total_layers),
         attention_config=SimpleNamespace(
             backend=None if backend is None else SimpleNamespace(name=backend)),
     )
@@ -99,9 +103,8 @@ def test_random_seeded_hash_needs_pythonhashseed(monkeypatch, algo):
     check_shareable_hashes(fake_config(algo))
 
 
-def test_pipeline_parallel_refused():
-    with pytest.raises(ValueError, match="pipeline parallelism"):
-        check_shareable_hashes(fake_config(pp=2))
+def test_pipeline_parallel_is_accepted():
+    check_shareable_hashes(fake_config(pp=2))
 
 
 # --- namespaces from a vLLM config ------------------------------------------------
@@ -321,3 +324,128 @@ def test_worker_with_the_expected_order_runs_the_canary():
     assert checked is pages
     assert len(pages.backend.data) == 1  # the canary object
     assert not torch.any(pages.pool.buffer)
+
+
+# --- heterogeneous TP (tp_lcm_size) and pipeline stages ------------------------------
+
+
+def sliced_config(mem_layout="layer_first", lcm=2, **extra):
+    store = uuid.uuid4().hex
+    io_backend = "kernel" if mem_layout == "page_first" else "direct"
+    return make_config(
+        hicache_mem_layout=mem_layout, hicache_io_backend=io_backend,
+        hicache_storage_backend="dynamic",
+        hicache_storage_backend_extra_config={
+            "module_path": "tests.connector.mem_backend", "class_name": "MemBackend",
+            "store": store, "tp_lcm_size": lcm, **extra,
+        },
+    )
+
+
+def rank_geometry(tp: int, is_mla: bool = False) -> KVGeometry:
+    import dataclasses
+
+    return dataclasses.replace(geometry(is_mla), num_kv_heads=1 if is_mla else HEADS // tp)
+
+
+def rank_device_pool(tp: int, order: str, mem_layout: str, backend: str) -> HostKVPool:
+    heads = HEADS // tp
+    layers = make_kv_layers(order, num_layers=LAYERS, num_blocks=BLOCKS, heads=heads,
+                            tokens=BLOCK, content=2 * HEAD)
+    layouts = [describe_kv_tensor(t, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=heads,
+                                  head_size=HEAD, is_mla=False, backend_name=backend)
+               for t in layers]
+    return HostKVPool.for_layouts(3, layouts, mem_layout, pin_memory=False)
+
+
+@pytest.mark.parametrize("mem_layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("order, backend", [("LBHNC", "CPU_ATTN"), ("LBNHC", "FLASH_ATTN"),
+                                            ("LBHNC", "FLASH_ATTN")])
+def test_tp1_and_tp2_derive_the_same_slice_keys(tmp_path, mem_layout, order, backend):
+    """With tp_lcm_size the scheduler of a TP=1 and of a TP=2 instance look
+    up the same keys, and each worker's actual slice format is the one its
+    scheduler derives."""
+    cfg = sliced_config(mem_layout)
+    model = model_dir(tmp_path / "m")
+    tags = {}
+    for tp in (1, 2):
+        vllm_config = fake_config(model=model, tp=tp, kv_cache_layout=order, backend=backend)
+        planner = build_planner(cfg, rank_geometry(tp), vllm_config, num_pages=64)
+        try:
+            tags[tp] = [ns.tag for ns in planner.namespaces]
+            assert planner.world_size == tp
+        finally:
+            planner.close()
+        for rank in range(tp):
+            ns = namespace(cfg, rank_geometry(tp), vllm_config, rank)
+            pool = rank_device_pool(tp, order, cfg.hicache_mem_layout, backend)
+            actual = pool_page_format(pool, slice_heads=1)
+            assert actual == ns.page_format, (tp, rank)
+    assert tags[1] == tags[2] and len(tags[1]) == 2
+    assert [t[-2:] for t in tags[1]] == ["s0", "s1"]
+    # Without tp_lcm_size the two instances share nothing.
+    plain = make_config(hicache_mem_layout=mem_layout)
+    assert (namespace(plain, rank_geometry(1), fake_config(model=model, tp=1), 0).tag
+            != namespace(plain, rank_geometry(2), fake_config(model=model, tp=2), 0).tag)
+
+
+@pytest.mark.parametrize("lcm, tp, is_mla, match", [
+    (3, 2, False, "not a multiple of this instance's tensor_parallel_size=2"),
+    (4, 1, False, "2 KV heads cannot be cut into 4"),
+    (2, 2, True, "does not apply to MLA"),
+])
+def test_unusable_tp_lcm_size_is_refused_at_start(tmp_path, lcm, tp, is_mla, match):
+    cfg = sliced_config(lcm=lcm)
+    with pytest.raises(ValueError, match=match):
+        build_planner(cfg, rank_geometry(tp, is_mla), fake_config(tp=tp), num_pages=64)
+
+
+def test_tp_lcm_size_must_be_a_non_negative_integer():
+    with pytest.raises(ValueError, match="tp_lcm_size"):
+        sliced_config(lcm=-2)
+    with pytest.raises(ValueError, match="tp_lcm_size"):
+        sliced_config(lcm="2")
+    assert sliced_config(lcm=0).storage.tp_lcm_size == 0
+
+
+def test_each_pipeline_stage_has_its_own_layers_in_its_page_format(tmp_path):
+    """3 layers over 2 stages (2 + 1): the scheduler, which holds the first
+    stage's geometry, derives the second stage's format from its layer count,
+    which is what that stage's worker has."""
+    import dataclasses
+
+    cfg = make_config(hicache_storage_backend="dynamic", hicache_storage_backend_extra_config={
+        "module_path": "tests.connector.mem_backend", "class_name": "MemBackend",
+        "store": uuid.uuid4().hex})
+    vllm_config = fake_config(model=model_dir(tmp_path / "m"), pp=2, total_layers=3)
+    stage0 = dataclasses.replace(geometry(), layer_names=("l0", "l1"))
+    stage1 = dataclasses.replace(geometry(), layer_names=("l2",))
+    planner = build_planner(cfg, stage0, vllm_config, num_pages=64)
+    try:
+        formats = {ns.pp_rank: ns.page_format for ns in planner.namespaces}
+        assert "layer2" in formats[0] and "layer" not in formats[1]
+        assert planner.world_size == 2  # both stages ack
+        for pp_rank, geom in ((0, stage0), (1, stage1)):
+            assert namespace(cfg, geom, vllm_config, 0, pp_rank) in planner.namespaces
+    finally:
+        planner.close()
+
+
+def test_worker_reports_are_told_apart_across_stages(monkeypatch):
+    """Progress and acks are counted per worker id: two stages' TP rank 0
+    must not count as one worker, or a prefetch would commit with one
+    stage's layers missing."""
+    from vllm.distributed import parallel_state
+
+    from vllm_hicache.connector.l3_setup import num_worker_ranks, worker_rank
+
+    vllm_config = fake_config(pp=2, tp=2)
+    ids = set()
+    for pp_rank in range(2):
+        for tp_rank in range(2):
+            monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank",
+                                lambda r=tp_rank: r)
+            monkeypatch.setattr(parallel_state, "get_pp_group",
+                                lambda p=pp_rank: SimpleNamespace(rank_in_group=p))
+            ids.add(worker_rank(vllm_config))
+    assert ids == set(range(num_worker_ranks(vllm_config))) == {0, 1, 2, 3}

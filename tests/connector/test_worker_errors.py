@@ -89,7 +89,7 @@ class FailingTransfer:
 class RecordingIO:
     """Stands in for StorageIO: records what the worker submits."""
 
-    tp_rank = 0
+    rank = 0
 
     def __init__(self) -> None:
         self.backups: list[BackupJob] = []

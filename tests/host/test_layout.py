@@ -74,3 +74,49 @@ def test_sizes():
     e = PLANES * BLOCK * HEADS * HEAD
     assert page_bytes(LAYERS, e, torch.bfloat16) == LAYERS * e * 2
     assert pool_bytes(layout("page_first"), torch.float32) == PAGES * LAYERS * e * 4
+
+
+# --- head slices (heterogeneous TP) --------------------------------------------
+
+
+def heads_outer(heads: int) -> BlockOrder:
+    """A CPU_ATTN-like native order: [head, plane, token, elem]."""
+    dims = (PLANES, 1, BLOCK, heads, HEAD)
+    return BlockOrder(dims, (BLOCK * HEAD, 0, HEAD, PLANES * BLOCK * HEAD, 1))
+
+
+def test_with_heads_keeps_the_nesting_and_closes_the_gaps():
+    four = heads_outer(4)
+    assert four.with_heads(4) == four
+    assert four.with_heads(2) == heads_outer(2)
+    assert four.with_heads(1).strides == (BLOCK * HEAD, 0, HEAD, 0, 1)
+    canonical = BlockOrder.canonical(PLANES, BLOCK, 4, HEAD)
+    assert canonical.with_heads(2) == BlockOrder.canonical(PLANES, BLOCK, 2, HEAD)
+
+
+@pytest.mark.parametrize("name", MEM_LAYOUTS)
+@pytest.mark.parametrize("order", [None, "heads_outer"])
+def test_a_head_slice_is_the_page_of_a_pool_with_those_heads(name, order):
+    """Copying slice j out of a 4-head page gives the bytes that a 2-head
+    pool holding those heads has as its page payload."""
+    big_order = heads_outer(4) if order else BlockOrder.canonical(PLANES, BLOCK, 4, HEAD)
+    big = HostLayout(name, PAGES, LAYERS, big_order)
+    small = HostLayout(name, PAGES, LAYERS, big_order.with_heads(2))
+    assert big.head_slice_layout(2) == HostLayout(name, 1, LAYERS, small.order)
+    big_buf = torch.randn(big.buffer_shape)
+    small_buf = torch.empty(small.buffer_shape)
+    small.cells(small_buf).copy_(big.cells(big_buf)[..., 2:4, :])
+    payload = big.head_slice(big_buf, 3, 2, 2).contiguous().flatten()
+    # The small pool's payload of page 3: its cells in payload order.
+    expected = small.cells(small_buf)[3].permute(small.payload_axes()).contiguous().flatten()
+    assert torch.equal(payload, expected)
+    if name != "layer_first":  # page-major: the payload is the page run
+        assert torch.equal(payload, small_buf[3].flatten())
+
+
+@pytest.mark.parametrize("name", ["page_first", "page_first_direct"])
+def test_all_heads_of_a_page_major_page_are_the_page_run_itself(name):
+    lay = HostLayout(name, PAGES, LAYERS, heads_outer(HEADS))
+    buffer = torch.arange(PAGES * lay.elems_per_page).view(lay.buffer_shape)
+    whole = lay.head_slice(buffer, 2, 0, HEADS)
+    assert whole.is_contiguous() and whole.data_ptr() == buffer[2].data_ptr()

@@ -27,7 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -35,12 +37,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_hicache import log_through_vllm
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.admin_api import start_admin_api
-from vllm_hicache.connector.geometry import KVGeometry, geometry_from
+from vllm_hicache.connector.geometry import KVGeometry, fit_config_to_groups, geometry_from
 from vllm_hicache.connector.kv_events import KVEventLog, kv_events_enabled
 from vllm_hicache.connector.l3_attach import make_control
 from vllm_hicache.connector.l3_setup import build_planner, check_shareable_hashes
 from vllm_hicache.connector.metadata import HiCacheMetadata
 from vllm_hicache.connector.metrics import HiCacheKVConnectorStats, HiCachePromMetrics
+from vllm_hicache.connector.pd import pd_role
 from vllm_hicache.connector.scheduler import HiCacheScheduler
 from vllm_hicache.connector.worker import HiCacheWorker
 from vllm_hicache.kernels import kernel_io_missing
@@ -172,6 +175,8 @@ def start_line(cfg: HiCacheConfig, geom: KVGeometry, num_pages: int, local_ranks
             f"options={redacted(dict(storage.backend_options))}"
             + (f" model_version={cfg.model_version!r}" if cfg.model_version else "")
         )
+    if cfg.hicache_decode_offload:
+        parts.append("PD decode offload: no lookups or loads, L2 stages the L3 backups")
     return "HiCache: " + "; ".join(parts)
 
 
@@ -195,7 +200,7 @@ def _config_warnings_muted() -> Iterator[None]:
         config_logger.removeFilter(keep)
 
 
-class HiCacheConnector(KVConnectorBase_V1):
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -212,7 +217,10 @@ class HiCacheConnector(KVConnectorBase_V1):
             cfg = resolve_conflicts(HiCacheConfig.from_extra_config(extra),
                                     kernel_io_missing(current_platform.is_cuda()))
         check_speculative_decoding(vllm_config)
+        # In a MultiConnector, HiCache's own kv_role is the instance's PD role (pd.py).
+        pd_role(cfg, self._kv_transfer_config.kv_role)
         geom = geometry_from(kv_cache_config, vllm_config)
+        cfg = fit_config_to_groups(cfg, geom, extra)  # hybrid models (geometry.py)
         if cfg.storage is not None:
             check_shareable_hashes(vllm_config)
         self.scheduler: HiCacheScheduler | None = None
@@ -244,7 +252,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         # Layerwise loads wait per layer, which full CUDA-graph replay skips.
         with _config_warnings_muted():  # the scheduler half warns
             cfg = HiCacheConfig.from_extra_config(extra_config)
-        return cfg.hicache_load_mode == "layerwise"
+        # A decode-offload instance never loads (pd.py).
+        return cfg.hicache_load_mode == "layerwise" and not cfg.hicache_decode_offload
 
     # --- scheduler half ----------------------------------------------------
 
@@ -275,6 +284,12 @@ class HiCacheConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Hybrid allocator: one block table per KV cache group.
+        return self._sched().request_finished_all_groups(request, block_ids)
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._sched().bind_gpu_block_pool(gpu_block_pool)
@@ -365,6 +380,12 @@ class HiCacheConnector(KVConnectorBase_V1):
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        # Hybrid models: failed async loads, by request (worker.py).
+        results.failed_recving = self._work().take_failed_recving()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

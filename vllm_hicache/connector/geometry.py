@@ -11,15 +11,39 @@ layers, and the scheduler's is a copy of the first worker's (vLLM's
 stage's layers, so with ``hicache_size`` a stage with more layers would fit
 fewer pages than the scheduler hands out. Every process therefore sizes L2 by
 the largest stage, which all of them compute alike from the model config.
+
+Hybrid models (vLLM's hybrid allocator, several KV cache groups): a host
+page is one block *position* of the prefix across every group, so one radix
+tree and one page number serve all groups. ``layer_names`` lists the layers
+group by group (``KVGroup.layers`` gives each group's range); the L1 side of
+a copy names a block of one group with a *group block id*
+(``group_block_id``), so the data path, which never learns about groups
+beyond those ranges, copies each group's layers with that group's blocks.
+Accepted: full-attention and sliding-window groups whose layers have the
+same per-layer block shape (so one pool layout holds them), and Mamba /
+linear-attention state groups in vLLM's ``align`` cache mode, whose padded
+state page vLLM makes exactly as large as an attention page (the worker
+copies it as raw bytes through an attention-shaped view, padding included).
+Refused at start, naming the group: other Mamba cache modes, speculative
+Mamba blocks, a Mamba model without attention groups, chunked-local, cross
+and encoder-only attention, and groups excluded from KV transfer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from vllm_hicache.config import HiCacheConfig
 
@@ -27,6 +51,25 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
+
+
+# Group kinds a host page can hold.
+GROUP_FULL = "full"
+GROUP_SLIDING = "sliding"
+# One recurrent state per block position, valid only where vLLM keeps the
+# state of that boundary (its ``align`` mode); raw padded pages.
+GROUP_MAMBA = "mamba"
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups, as the connector sees it."""
+
+    kind: str  # GROUP_FULL | GROUP_SLIDING | GROUP_MAMBA
+    # Indices into KVGeometry.layer_names of this group's layers (contiguous).
+    layers: range
+    # Tokens a sliding-window layer attends to (None for full attention).
+    sliding_window_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -48,10 +91,30 @@ class KVGeometry:
     # page bytes so that every stage, and the scheduler, count the same pages.
     # 0: this rank's own layer count (no pipeline parallelism).
     sizing_num_layers: int = 0
+    # vLLM's KV cache groups, in its order; empty means one full-attention
+    # group holding every layer (the geometry of a non-hybrid model).
+    groups: tuple[KVGroup, ...] = ()
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_names)
+
+    @property
+    def num_groups(self) -> int:
+        return max(1, len(self.groups))
+
+    @property
+    def mamba_groups(self) -> tuple[int, ...]:
+        """Indices of the Mamba / linear-attention state groups."""
+        return tuple(i for i, g in enumerate(self.groups) if g.kind == GROUP_MAMBA)
+
+    def group_block_id(self, group: int, block_id: int) -> int:
+        """The id naming block ``block_id`` of group ``group`` in a copy.
+
+        Block ids are only unique within a group; a copy names group g's
+        block b as ``g * num_l1_blocks + b`` (group 0: the block id itself),
+        and ``datapath.GroupedTransfer`` splits it back."""
+        return group * self.num_l1_blocks + block_id
 
     @property
     def sizing_bytes_per_block(self) -> int:
@@ -91,28 +154,29 @@ def geometry_from(
     largest stage); without it the geometry describes this rank alone.
     """
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            "HiCacheConnector supports models with one KV cache group (full "
-            f"attention or MLA); this model has {len(groups)} groups "
-            f"({[type(g.kv_cache_spec).__name__ for g in groups]}). Hybrid "
-            "models (sliding window + full, Mamba) are not supported yet."
-        )
+    if not groups:
+        raise ValueError("HiCacheConnector: the model has no KV cache group")
     spec = groups[0].kv_cache_spec
-    # A FullAttentionSpec may carry a sliding window (vLLM without its hybrid
-    # allocator): blocks then still hold every token's KV, so pages are exact.
-    if not isinstance(spec, FullAttentionSpec):
-        raise ValueError(
-            "HiCacheConnector supports full-attention and MLA KV caches only; "
-            f"got {type(spec).__name__}"
-        )
+    if len(groups) == 1:
+        # A FullAttentionSpec may carry a sliding window (vLLM without its
+        # hybrid allocator): blocks then hold every token's KV, pages are exact.
+        if not isinstance(spec, FullAttentionSpec):
+            raise ValueError(
+                "HiCacheConnector supports full-attention and MLA KV caches only "
+                f"(sliding window next to full attention); got {type(spec).__name__}"
+                + _mamba_hint(spec))
+        layer_names = tuple(groups[0].layer_names)
+        hybrid: tuple[KVGroup, ...] = ()
+    else:
+        layer_names, hybrid = _hybrid_groups(groups)
+        # The page layout is an attention group's (Mamba pages match its bytes).
+        spec = next(g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, AttentionSpec))
     hash_block_size = kv_cache_config.hash_block_size
     if hash_block_size is not None and hash_block_size != spec.block_size:
         raise ValueError(
             f"HiCacheConnector needs hash_block_size == block_size; got "
             f"{hash_block_size} != {spec.block_size}"
         )
-    layer_names = tuple(groups[0].layer_names)
     sizing_num_layers = 0  # without PP every process holds the same layers
     if vllm_config is not None and vllm_config.parallel_config.pipeline_parallel_size > 1:
         stage_num_layers = pp_stage_num_layers(vllm_config)
@@ -135,7 +199,122 @@ def geometry_from(
         head_size=spec.head_size,
         is_mla=isinstance(spec, MLAAttentionSpec),
         kv_dtype=str(spec.dtype).removeprefix("torch."),
+        groups=hybrid,
     )
+
+
+def _mamba_hint(spec) -> str:
+    if "Mamba" in type(spec).__name__:
+        return (" (Mamba / linear-attention state is served next to attention groups "
+                "only, with vLLM's hybrid KV cache manager)")
+    return ""
+
+
+def _hybrid_groups(groups) -> tuple[tuple[str, ...], tuple[KVGroup, ...]]:
+    """Layers (group by group) and group descriptions of a hybrid model;
+    ValueError naming the first group a host page cannot hold."""
+    first = next((g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, AttentionSpec)),
+                 None)
+    if first is None:
+        raise ValueError("HiCacheConnector needs an attention KV cache group next to Mamba / "
+                         "linear-attention state groups; this model has none")
+    layer_names: list[str] = []
+    described: list[KVGroup] = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        name = f"KV cache group {index} ({type(spec).__name__}, layers {group.layer_names[:3]}...)"
+        if not getattr(group, "enable_kv_transfer", True):
+            raise ValueError(f"HiCacheConnector cannot restore {name}: vLLM excludes it from "
+                             "KV transfer")
+        if isinstance(spec, SlidingWindowSpec):
+            kind, window = GROUP_SLIDING, spec.sliding_window
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec) and not (
+                spec.sliding_window or spec.attention_chunk_size):
+            kind, window = GROUP_FULL, None
+        elif isinstance(spec, MambaSpec):
+            _check_mamba_group(spec, first, name)
+            start = len(layer_names)
+            layer_names += group.layer_names
+            described.append(KVGroup(GROUP_MAMBA, range(start, len(layer_names))))
+            continue
+        else:
+            raise ValueError(
+                f"HiCacheConnector cannot restore {name} of a hybrid model: supported "
+                "groups are full attention, sliding window and Mamba state ('align' mode)")
+        if _block_shape(spec) != _block_shape(first):
+            raise ValueError(
+                f"HiCacheConnector needs every KV cache group of a hybrid model to have the "
+                f"same per-layer block shape (block_size, KV heads, head size, dtype, page "
+                f"bytes); {name} has {_block_shape(spec)}, group 0 {_block_shape(first)}")
+        start = len(layer_names)
+        layer_names += group.layer_names
+        described.append(KVGroup(kind, range(start, len(layer_names)), window))
+    return tuple(layer_names), tuple(described)
+
+
+def _check_mamba_group(spec: MambaSpec, attention: AttentionSpec, name: str) -> None:
+    """A Mamba group a host page can hold: one state per block boundary
+    (``align`` mode), in pages exactly as large as an attention group's."""
+    if spec.mamba_cache_mode != "align":
+        raise ValueError(
+            f"HiCacheConnector cannot restore {name}: its mamba_cache_mode is "
+            f"{spec.mamba_cache_mode!r}; only 'align' keeps a state per block boundary "
+            "(vLLM's --mamba-cache-mode align, its default with prefix caching)")
+    if spec.num_speculative_blocks:
+        raise ValueError(
+            f"HiCacheConnector cannot restore {name} with speculative decoding "
+            f"(num_speculative_blocks={spec.num_speculative_blocks}): vLLM moves its state "
+            "blocks between positions; unset speculative_config")
+    if (spec.block_size, spec.page_size_bytes) != (attention.block_size,
+                                                   attention.page_size_bytes):
+        raise ValueError(
+            f"HiCacheConnector needs {name} to have the attention groups' block size and "
+            f"page bytes (vLLM pads Mamba pages to match); got block_size={spec.block_size}, "
+            f"page {spec.page_size_bytes} B vs {attention.block_size}, "
+            f"{attention.page_size_bytes} B")
+
+
+def _block_shape(spec: AttentionSpec) -> tuple:
+    return (spec.block_size, spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.dtype,
+            spec.page_size_bytes, isinstance(spec, MLAAttentionSpec))
+
+
+def fit_config_to_groups(cfg: HiCacheConfig, geom: KVGeometry,
+                         extra: dict | None = None) -> HiCacheConfig:
+    """The configuration a hybrid model runs with; ValueError naming the key
+    of an option that cannot serve several KV cache groups.
+
+    - ``hicache_load_mode``: vLLM takes load failures of a multi-group model
+      only per request, and only for async loads (its ``invalid_block_ids``
+      path raises there), so loads are async. Left unset, it becomes async;
+      set to layerwise, the engine is refused.
+    - ``hicache_write_policy=write_back`` copies a block when vLLM reuses it,
+      which the pool reports per block of one group: refused.
+    - ``tp_lcm_size`` with a Mamba group: head slices of a raw state page
+      mean nothing: refused.
+    """
+    if geom.num_groups == 1:
+        return cfg
+    kinds = "+".join(g.kind for g in geom.groups)
+    if geom.mamba_groups and cfg.storage is not None and cfg.storage.tp_lcm_size:
+        # Head slices cut pages by attention heads; a state page is raw bytes.
+        raise ValueError(
+            f"tp_lcm_size (in hicache_storage_backend_extra_config) is not supported for "
+            f"models with Mamba / linear-attention state ({kinds}): their state pages cannot "
+            "be cut into head slices; leave it unset")
+    if cfg.hicache_write_policy == "write_back":
+        raise ValueError(
+            f"hicache_write_policy=write_back is not supported for hybrid models "
+            f"({geom.num_groups} KV cache groups: {kinds}); use write_through or "
+            "write_through_selective")
+    if cfg.hicache_load_mode != "async":
+        if extra is not None and "hicache_load_mode" in extra:
+            raise ValueError(
+                f"hicache_load_mode={cfg.hicache_load_mode} is not supported for hybrid "
+                f"models ({geom.num_groups} KV cache groups: {kinds}): vLLM can only be told "
+                "of a failed load per request, for async loads; set hicache_load_mode=async")
+        cfg = dataclasses.replace(cfg, hicache_load_mode="async")
+    return cfg
 
 
 def host_num_pages(cfg: HiCacheConfig, geom: KVGeometry) -> int:

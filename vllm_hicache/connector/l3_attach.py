@@ -643,8 +643,11 @@ def _close_quietly(planner: StoragePlanner | None) -> None:
 
 def run_storage_command(worker: HiCacheWorker, cmd: StorageCommand) -> dict[int, dict[int, str]]:
     """Attach or detach this rank's L3 client (``HiCacheWorker._io``);
-    the ack for ``worker_meta``: {cmd_id: {tp_rank: error or ""}}."""
-    rank = _tp_rank(worker._vllm_config)
+    the ack for ``worker_meta``: {cmd_id: {worker rank: error or ""}}
+    (l3_setup.worker_rank: unique over PP x TP)."""
+    from vllm_hicache.connector.l3_setup import worker_rank
+
+    rank = worker_rank(worker._vllm_config)
     try:
         if cmd.action == "detach":
             _detach_worker(worker)
@@ -681,25 +684,21 @@ def _detach_worker(worker: HiCacheWorker) -> None:
         io.shutdown()
 
 
-def _tp_rank(vllm_config) -> int:
-    if vllm_config.parallel_config.tensor_parallel_size <= 1:
-        return 0
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-    return get_tensor_model_parallel_rank()
-
-
 def make_control(sched: HiCacheScheduler, geom, vllm_config) -> StorageControl:
     """The state machine of an engine's scheduler half. Call it from the
     connector's constructor: that is where the engine loop to wake is found
     (vllm_compat.engine_loop_waker)."""
-    from vllm_hicache.connector.l3_setup import build_planner, check_shareable_hashes
+    from vllm_hicache.connector.l3_setup import (
+        build_planner,
+        check_shareable_hashes,
+        num_worker_ranks,
+    )
     from vllm_hicache.connector.vllm_compat import engine_loop_waker
 
     return StorageControl(
         sched,
         lambda cfg: build_planner(cfg, geom, vllm_config, sched.num_pages),
-        vllm_config.parallel_config.tensor_parallel_size,
+        num_worker_ranks(vllm_config),
         lambda: check_shareable_hashes(vllm_config),
         engine_loop_waker(),
     )

@@ -55,7 +55,10 @@ PASSED, UNAVAILABLE, FAILED = "passed", "unavailable", "failed"
 
 def canary_hash(ns: KeyNamespace) -> bytes:
     # The TP rank: MLA ranks share a tag, and each must test its own path.
-    digest = hashlib.sha256(b"hicache-canary" + f"{ns.tag}|{ns.tp_rank}".encode()).digest()
+    # With head slices instances of other TP sizes share the tag too (and
+    # would write other bytes under it): the TP size keeps theirs apart.
+    rank = f"{ns.tp_rank}|tp{ns.tp_size}" if ns.head_slices else f"{ns.tp_rank}"
+    digest = hashlib.sha256(b"hicache-canary" + f"{ns.tag}|{rank}".encode()).digest()
     return CANARY_MARK + digest[:16]
 
 
@@ -110,25 +113,26 @@ def run_canary(pages: PageStore, scratch: tuple[int, int] | None = None) -> Cana
 
 
 def _diagnose_unreadable(pages: PageStore, hashes: Sequence[bytes]) -> CanaryResult:
-    """The page did not verify: missing (an outage), or present but altered?"""
-    [key] = pages.keys(hashes)
+    """The page did not verify: missing (an outage), or present but altered?
+    (Each of its objects: one, or one per head slice.)"""
     codec = pages.codec
-    header = np.empty(HEADER_BYTES, np.uint8)
-    payload = np.empty(pages.pool.bytes_per_page, np.uint8)
-    extra = codec.scratch_bytes(payload.nbytes)
-    scratch = np.empty(extra, np.uint8) if extra else None
-    body = codec.body(payload, scratch)
-    try:
-        found = pages.backend.get([key], [[header, body]])[0]
-    except Exception as e:  # noqa: BLE001
-        return CanaryResult(UNAVAILABLE, f"written, then unreadable: get raised {e!r}")
-    if not found:
-        return CanaryResult(UNAVAILABLE, "written, then not found")
-    if codec.open(key, header, body, payload, scratch):
-        # Intact, yet the page path keeps missing it: misses, not wrong KV.
-        return CanaryResult(UNAVAILABLE, "written and intact, but page reads fail")
-    return CanaryResult(FAILED, f"the object comes back with other bytes (header or "
-                                f"{codec.name} mismatch)")
+    for key in pages.keys(hashes):
+        header = np.empty(HEADER_BYTES, np.uint8)
+        payload = np.empty(pages.payload_bytes, np.uint8)
+        extra = codec.scratch_bytes(payload.nbytes)
+        scratch = np.empty(extra, np.uint8) if extra else None
+        body = codec.body(payload, scratch)
+        try:
+            found = pages.backend.get([key], [[header, body]])[0]
+        except Exception as e:  # noqa: BLE001
+            return CanaryResult(UNAVAILABLE, f"written, then unreadable: get raised {e!r}")
+        if not found:
+            return CanaryResult(UNAVAILABLE, "written, then not found")
+        if not codec.open(key, header, body, payload, scratch):
+            return CanaryResult(FAILED, f"the object comes back with other bytes (header or "
+                                        f"{codec.name} mismatch)")
+    # Intact, yet the page path keeps missing it: misses, not wrong KV.
+    return CanaryResult(UNAVAILABLE, "written and intact, but page reads fail")
 
 
 def _page_bytes(pool, page: int) -> torch.Tensor:

@@ -20,6 +20,11 @@ holds the KV tensors); the scheduler derives the order the worker should
 have from the resolved KV cache layout and the platform
 (``expected_page_format``).
 
+With head slices (``tp_lcm_size``) an object holds some of a page's heads
+in the same order; its format is the one of a page with that many heads
+(``pool_page_format(pool, slice_heads)``), equal for every TP size. With
+pipeline parallelism, ``num_layers`` is the stage's.
+
 Weights: the model name (path) and revision, plus ``model_version`` when the
 user names the weights, else a fingerprint of the weight files of a local
 model directory (names, sizes and sampled bytes, or the content hash a
@@ -113,24 +118,34 @@ def _normal(axes: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     return sorted(((n, s, st) for n, (s, st) in by_name.items()), key=lambda a: -a[2])
 
 
-def pool_page_format(pool) -> str:
-    """What this worker's objects hold (``pool``: a HostKVPool)."""
-    return page_format_of(pool.layout, pool.dtype.itemsize)
+def pool_page_format(pool, slice_heads: int | None = None) -> str:
+    """What this worker's objects hold (``pool``: a HostKVPool): its pages,
+    or with head slices (keys.HeadSlicing) runs of ``slice_heads`` heads."""
+    layout = pool.layout
+    if slice_heads is not None:
+        layout = layout.head_slice_layout(slice_heads)
+    return page_format_of(layout, pool.dtype.itemsize)
 
 
-def expected_page_format(cfg: HiCacheConfig, geom: KVGeometry, vllm_config) -> str:
-    """The page format every process derives without seeing KV tensors."""
+def expected_page_format(cfg: HiCacheConfig, geom: KVGeometry, vllm_config,
+                         num_layers: int | None = None,
+                         slice_heads: int | None = None) -> str:
+    """The page format every process derives without seeing KV tensors.
+    ``num_layers``: of another pipeline stage (default: ``geom``'s);
+    ``slice_heads``: the heads of one head slice, when objects hold those."""
     planes = 1 if geom.is_mla else 2
     heads = 1 if geom.is_mla else geom.num_kv_heads
+    if slice_heads is not None:
+        heads = slice_heads
     if cfg.hicache_mem_layout == "page_first_direct":
-        order = _expected_device_order(geom, vllm_config)
+        order = _expected_device_order(geom, vllm_config, heads)
     else:
         order = BlockOrder.canonical(planes, geom.block_size, heads, geom.head_size)
-    layout = HostLayout(cfg.hicache_mem_layout, 1, geom.num_layers, order)
+    layout = HostLayout(cfg.hicache_mem_layout, 1, num_layers or geom.num_layers, order)
     return page_format_of(layout, getattr(torch, geom.kv_dtype).itemsize)
 
 
-def _expected_device_order(geom: KVGeometry, vllm_config) -> BlockOrder:
+def _expected_device_order(geom: KVGeometry, vllm_config, heads: int) -> BlockOrder:
     """Native block order of the L1 tensor vLLM should allocate: the resolved
     KV cache layout applied to the expected backend's block shape, read by
     the same ``describe_kv_tensor`` the worker runs on the real tensor. A
@@ -147,7 +162,6 @@ def _expected_device_order(geom: KVGeometry, vllm_config) -> BlockOrder:
     else:
         # Every GPU backend packs K|V per token; only CPU_ATTN splits them.
         backend = CPU_BACKENDS[0] if current_platform.is_cpu() else PACKED_BACKENDS[0]
-    heads = 1 if geom.is_mla else geom.num_kv_heads
     content = geom.head_size if geom.is_mla else 2 * geom.head_size
     shape = (2, heads, geom.block_size, content)  # [B, H, N, C]
     strides, step = [0] * 4, 1
@@ -156,7 +170,7 @@ def _expected_device_order(geom: KVGeometry, vllm_config) -> BlockOrder:
         step *= shape[axis]
     tensor = torch.empty_strided(shape, strides, dtype=torch.int8, device="meta")
     return describe_kv_tensor(
-        tensor, num_blocks=2, block_size=geom.block_size, num_kv_heads=geom.num_kv_heads,
+        tensor, num_blocks=2, block_size=geom.block_size, num_kv_heads=heads,
         head_size=geom.head_size, is_mla=geom.is_mla, backend_name=backend,
     ).block_order
 

@@ -38,7 +38,7 @@ SHUTDOWN_DRAIN_S = 10.0
 
 class StorageIO:
     def __init__(
-        self, pages: PageStore, tp_rank: int, writes: bool, num_threads: int = 2,
+        self, pages: PageStore, rank: int, writes: bool, num_threads: int = 2,
         drain_timeout_s: float = SHUTDOWN_DRAIN_S, counters: WorkerCounters | None = None,
     ) -> None:
         self.pages = pages
@@ -46,7 +46,9 @@ class StorageIO:
         self.counters = counters if counters is not None else WorkerCounters()
         self._page_bytes = pages.pool.bytes_per_page
         self._invalid_seen = 0
-        self.tp_rank = tp_rank
+        # This worker's id in its reports to the scheduler, unique over
+        # PP x TP ranks (l3_setup.worker_rank).
+        self.rank = rank
         # MLA keeps one copy: only rank 0 writes, every rank still acks.
         self._writes = writes
         self._drain_timeout_s = drain_timeout_s

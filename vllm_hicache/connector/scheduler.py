@@ -39,13 +39,13 @@ from vllm_hicache.connector.l3_attach import StorageControl
 from vllm_hicache.connector.l3_scheduler import StoragePlanner
 from vllm_hicache.connector.load_gate import LoadGate
 from vllm_hicache.connector.metadata import (
-    BlockCopy,
     BlockPage,
     HiCacheMetadata,
     LoadJob,
     merge_copies,
 )
 from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
+from vllm_hicache.connector.pd import loads_hits
 from vllm_hicache.connector.request_params import (
     DEFAULT_CONTROLS,
     NO_HICACHE,
@@ -54,7 +54,12 @@ from vllm_hicache.connector.request_params import (
 )
 from vllm_hicache.connector.request_state import ReqState, track_scheduled
 from vllm_hicache.connector.stats import HiCacheStats, SchedulerReport, key
-from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_has_block
+from vllm_hicache.connector.vllm_compat import (
+    drop_l1_blocks,
+    l1_block_holds,
+    l1_has_block,
+    null_block_id,
+)
 from vllm_hicache.connector.write_back import WriteBackCopy, WriteBackWatcher
 from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
@@ -95,6 +100,12 @@ class HiCacheScheduler:
         backend is configured, once L2 is known to fit."""
         self.cfg = cfg
         self.block_size = geom.block_size
+        # Hybrid models: copies name each group's blocks (geometry.group_block_id).
+        self.geom = geom
+        self._sliding_windows = [g.sliding_window_tokens for g in geom.groups
+                                 if g.sliding_window_tokens]
+        self._mamba_groups = geom.mamba_groups
+        self._null_block_id = 0  # vLLM's null block, read from the pool once bound
         self.num_pages = host_num_pages(cfg, geom)
         # Every rank on this host allocates its own pool: refuse before the
         # tree (or any worker) allocates anything.
@@ -106,6 +117,8 @@ class HiCacheScheduler:
         )
         self.write_policy = WritePolicy(cfg.hicache_write_policy, 4 * self.num_pages)
         self.load_async = cfg.hicache_load_mode == "async"
+        # False on a PD decode-offload instance (pd.py): NixlConnector alone loads.
+        self.loads = loads_hits(cfg)
         self.stats = HiCacheStats()
         # Tokens loaded from L2 for recent requests (bounded), for reports.
         self.recent_hit_tokens: OrderedDict[str, int] = OrderedDict()
@@ -151,6 +164,8 @@ class HiCacheScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if not self.loads:
+            return 0, False
         if self.l3 is not None and self.l3.must_wait(request.request_id):
             return None, False  # per the prefetch policy: ask again later
         # For update_state_after_alloc, which vLLM calls right after the call
@@ -205,11 +220,12 @@ class HiCacheScheduler:
         # No eviction can run between the lookup and here (see module doc).
         assert len(pages) == num_blocks, (req_id, len(pages), num_blocks)
         hashes = request.block_hashes[:end]
-        block_ids = blocks.get_block_ids()[0][start:end]
+        group_ids = blocks.get_block_ids()
+        block_ids = group_ids[0][start:end]
         kind = OpKind.ASYNC_LOAD if self.load_async else OpKind.LOAD
         rng = PinnedRange(tuple(hashes), tuple(range(start, end)), tuple(pages))
         op = self.ops.open(kind, self._step, [rng], req_id, block_ids)
-        job = LoadJob(req_id, BlockCopy(tuple(block_ids), tuple(pages)))
+        job = LoadJob(req_id, merge_copies(self._group_pairs(group_ids, start, pages)))
         if self.load_async:
             self._step_async_loads.append(job)
             self._inflight.start(req_id, op, hashes[start:])
@@ -220,6 +236,30 @@ class HiCacheScheduler:
         self.recent_hit_tokens[req_id] = num_external_tokens
         if len(self.recent_hit_tokens) > _RECENT_HITS:
             self.recent_hit_tokens.popitem(last=False)
+
+    def _group_pairs(self, group_ids, start: int, pages) -> list[BlockPage]:
+        """The (block, page) pairs copying block positions ``start, start+1,
+        ...`` to or from ``pages``, for every KV cache group.
+
+        One group: its block ids. Hybrid models: every group's block at each
+        position, as group block ids, except where the group holds vLLM's
+        null block (a sliding window's skipped position: nothing to copy).
+        Every page holds every group's layers (pages are stored whole, see
+        ``_store_range``; a Mamba group's part is the state at the page's end
+        boundary), so a hit is restorable in every group: the all-or-nothing
+        rule needs no per-group check at lookup. For an external hit of N
+        blocks vLLM gives a Mamba group only the block at position N-1 (the
+        others are null), so only the last page's state is loaded."""
+        if len(group_ids) == 1:
+            ids = group_ids[0]
+            return [BlockPage(ids[start + k], page) for k, page in enumerate(pages)]
+        pairs = []
+        for group, ids in enumerate(group_ids):
+            for k, page in enumerate(pages):
+                block = ids[start + k]
+                if block != self._null_block_id:
+                    pairs.append(BlockPage(self.geom.group_block_id(group, block), page))
+        return pairs
 
     def _record_hit_tiers(self, req_id: str, start: int, end: int) -> None:
         """Split the hit [start, end) into what was in L2 and what this
@@ -257,7 +297,7 @@ class HiCacheScheduler:
             stores=merge_copies(store_pairs),
         )
         self._step_loads, self._step_async_loads = [], []
-        self.stats.record_store(len(evict) + len(store_pairs))
+        self.stats.record_store(len(evict))  # _store_range counts its pages
         if self.storage_control is not None:  # admin commands run here, between steps
             meta.storage_command = self.storage_control.on_step(
                 len(scheduler_output.num_scheduled_tokens))
@@ -307,7 +347,8 @@ class HiCacheScheduler:
             elif self._write_back is not None:
                 self._write_back.observe(state.request.block_hashes, lo, store_hi)
             elif self.write_policy.stores_on_compute:
-                pairs += self._store_range(state, lo, store_hi)
+                pairs += self._store_range(state, lo, store_hi,
+                                           state.num_computed_tokens + num_scheduled)
             state.num_planned = hi
         return pairs
 
@@ -320,13 +361,59 @@ class HiCacheScheduler:
         self.stats.record_store_limited(hi - max(lo, limit))
         return limit
 
-    def _store_range(self, state: ReqState, lo: int, hi: int) -> list[BlockPage]:
+    def _first_intact_block(self, state: ReqState) -> int:
+        """First block position whose KV every group still holds once this
+        step's forward has run. vLLM freed the sliding-window blocks before
+        ``num_computed_tokens - window + 1`` when it scheduled this step, and
+        may hand them to others in this very forward."""
+        first = 0
+        for window in self._sliding_windows:
+            skipped_tokens = max(0, state.num_computed_tokens - window + 1)
+            first = max(first, skipped_tokens // self.block_size)
+        return first
+
+    def _holds_every_group(self, state: ReqState, block: int, done_tokens: int) -> bool:
+        """Will every group hold this position's data once this step's
+        forward (ending at ``done_tokens``) has run (hybrid)? Attention
+        groups: a real block. Mamba groups (``_holds_state``): the state of
+        the boundary after this block."""
+        tables = state.group_block_ids
+        if not all(block < len(ids) and ids[block] != self._null_block_id for ids in tables):
+            return False
+        return all(self._holds_state(state, g, block, done_tokens) for g in self._mamba_groups)
+
+    def _holds_state(self, state: ReqState, group: int, block: int, done_tokens: int) -> bool:
+        """Does Mamba group ``group``'s block at position ``block`` hold the
+        state of the prefix ending at that block's boundary once this step's
+        forward has run? In vLLM's ``align`` mode the forward writes a
+        request's state into its block at position ``(done_tokens - 1) //
+        block_size``, a block this step's table names (vLLM nulls only older
+        positions), so a forward ending exactly on the boundary leaves that
+        state there. Elsewhere, only a block vLLM itself keys by this
+        prefix's hash holds it (a prefill checkpoint it retains): our copy of
+        the table may name a block vLLM freed and handed on, which has lost
+        that hash."""
+        num_tokens = (block + 1) * self.block_size
+        if done_tokens == num_tokens:
+            return True
+        return self._block_pool is not None and l1_block_holds(
+            self._block_pool, state.group_block_ids[group][block],
+            state.request.block_hashes[block], group, num_tokens)
+
+    def _store_range(self, state: ReqState, lo: int, hi: int,
+                     done_tokens: int) -> list[BlockPage]:
+        if self._sliding_windows:
+            # A page is stored whole (every group's KV of its position) or not at all.
+            lo = max(lo, self._first_intact_block(state))
+            if lo >= hi:
+                return []
         hashes = state.request.block_hashes[:hi]
         self.write_policy.record_use(hashes[lo:hi])
         matched = self.tree.match(hashes).pages
         want = [
             i for i in range(lo, hi)
             if (i >= len(matched) or matched[i] is None)
+            and self._holds_every_group(state, i, done_tokens)
             and self.write_policy.should_store(hashes[i])
         ]
         if not want:
@@ -340,7 +427,11 @@ class HiCacheScheduler:
                 return []
         self._insert_pinned(OpKind.STORE, hashes[: want[-1] + 1], want, pages,
                             state.request.priority, state.request)
-        return [BlockPage(state.block_ids[i], page) for i, page in zip(want, pages)]
+        self.stats.record_store(len(want))
+        pairs: list[BlockPage] = []
+        for i, page in zip(want, pages):
+            pairs += self._group_pairs(state.group_block_ids, i, (page,))
+        return pairs
 
     def _insert_pinned(self, kind: OpKind, chain, blocks: list[int], pages: list[int],
                        priority: int, request: Request | None = None) -> PageOp:
@@ -375,6 +466,9 @@ class HiCacheScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.load_gate.step_done(output.kv_connector_stats)
+        failed_reqs = getattr(output, "failed_recving", None)
+        if failed_reqs:
+            self._drop_failed_loads(failed_reqs)
         for req_id in output.finished_recving or ():
             op = self._inflight.finish(req_id)
             if op is not None:
@@ -402,6 +496,16 @@ class HiCacheScheduler:
             # meanwhile would hit them, and we would store what it read.
             drop_l1_blocks(self._block_pool, self._blocks_from_first_failure(l1_blocks))
 
+    def _drop_failed_loads(self, req_ids) -> None:
+        """Async loads failed as a whole (hybrid models report failures per
+        request): their pages must never be hits again; vLLM recomputes."""
+        for op in self.ops.live(OpKind.ASYNC_LOAD):
+            if op.req_id in req_ids:
+                rng = op.ranges[0]
+                self.stats.record_load_errors(len(rng.blocks))
+                first = rng.blocks[0]
+                self.stats.record_invalidated(self.tree.invalidate(rng.chain[: first + 1], first))
+
     def _blocks_from_first_failure(self, l1_blocks: set[int]) -> set[int]:
         """The failed blocks, and every later block of the requests that own
         them (computed this step over the missing KV)."""
@@ -417,7 +521,7 @@ class HiCacheScheduler:
         self._reqs[request.request_id] = ReqState(request)
         self.access_log.arrive(request, self._step)
         controls = self._read_controls(request)
-        if self.l3 is not None and controls.looks_up_l3:
+        if self.l3 is not None and controls.looks_up_l3 and self.loads:
             limit = loadable_block_limit(request.num_tokens, self.block_size)
             chain = tuple(request.block_hashes[:limit])
             resident = self._resident_blocks(chain)
@@ -477,8 +581,14 @@ class HiCacheScheduler:
         error = self._param_errors.pop(req_id, None)
         return False, ({"hicache_error": error} if error is not None else None)
 
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, str] | None]:
+        """vLLM's hook for hybrid-allocator connectors: one block table per group."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     def bind_gpu_block_pool(self, block_pool) -> None:
         self._block_pool = block_pool
+        self._null_block_id = null_block_id(block_pool)
         if self.cfg.hicache_write_policy == "write_back":
             self._write_back = WriteBackWatcher(
                 block_pool, 2 * block_pool.num_gpu_blocks, on_reset=self._plan_write_backs

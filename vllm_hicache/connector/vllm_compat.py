@@ -133,3 +133,46 @@ def drop_l1_blocks(pool, block_ids: set[int]) -> None:
     (test_failed_load_leaves_vllms_prefix_cache_too) fails.
     """
     pool.evict_blocks(block_ids)
+
+
+def null_block_id(pool) -> int:
+    """The id of vLLM's null block: what a sliding-window group's block table
+    holds at positions outside the window (hybrid allocator).
+
+    Breaks if vLLM renames ``BlockPool.null_block``: then 0, the id the pool
+    gives it today (it is the first block taken from the free queue). A wrong
+    id would let a store copy a freed sliding-window block;
+    tests/e2e/test_hybrid_engine.py compares outputs with recomputation.
+    """
+    block = getattr(pool, "null_block", None)
+    return block.block_id if block is not None else 0
+
+
+def l1_block_holds(pool, block_id: int, block_hash: bytes, group: int,
+                   num_tokens: int) -> bool:
+    """Does L1 block ``block_id`` carry, in KV cache group ``group``, the hash
+    of the ``num_tokens``-token prefix ending at its boundary?
+
+    For a Mamba group in vLLM's ``align`` mode this is vLLM's own promise
+    (the one its prefix cache serves hits from) that, once the scheduled
+    forward has run, the block holds the recurrent state of the prefix ending
+    at that block's boundary: vLLM hashes a state block when the forward that
+    ends on its boundary is scheduled (a chunk end, a decode step, a prefill
+    checkpoint), and a block handed to another request loses its hash.
+
+    Breaks if vLLM renames ``BlockPool.blocks``, ``KVCacheBlock.block_hash``
+    or ``block_hash_num_tokens``, or changes the packing of
+    ``make_block_hash_with_group_id``: then False (no Mamba page is stored,
+    never a wrong one); tests/e2e/test_hybrid_mamba.py notices (no hits).
+    """
+    try:
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        block = pool.blocks[block_id]
+        key = block.block_hash
+        if key is None or get_group_id(key) != group or get_block_hash(key) != block_hash:
+            return False
+        covered = getattr(block, "block_hash_num_tokens", None)
+        return covered is None or covered == num_tokens
+    except (AttributeError, IndexError, TypeError):
+        return False

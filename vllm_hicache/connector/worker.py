@@ -43,6 +43,7 @@ from vllm_hicache.connector.metadata import (
 )
 from vllm_hicache.connector.stats import CopyClock, WorkerCounters, key, l3_usage_gauges
 from vllm_hicache.datapath import NO_COPY, Copy, KVDataPath, Load, allocate_pool
+from vllm_hicache.datapath.grouped import block_view
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor
 
@@ -79,6 +80,11 @@ class HiCacheWorker:
         self._l3_gauges_at = 0.0
         # Backup op -> hashes this rank dropped (garbage pages), not yet reported.
         self._backup_failures: dict[int, set[bytes]] = {}
+        # Hybrid models (several KV cache groups): copies name group block ids
+        # (geometry.group_block_id); load failures are reported per request.
+        self._hybrid = geom.num_groups > 1
+        self._async_blocks: dict[str, frozenset[int]] = {}
+        self._failed_recving: set[str] = set()
 
     @property
     def pool(self) -> HostKVPool | None:
@@ -98,7 +104,8 @@ class HiCacheWorker:
         missing = [n for n in self.geom.layer_names if n not in kv_caches]
         if missing:
             raise ValueError(f"HiCache: KV caches missing for layers {missing}")
-        tensors = [kv_caches[n] for n in self.geom.layer_names]
+        tensors = self._state_layers_as_pages(
+            [kv_caches[n] for n in self.geom.layer_names])
         self.transfer_tensors = tensors
         device = tensors[0].device
         cfg = self.cfg  # resolved for this platform by the connector
@@ -112,13 +119,15 @@ class HiCacheWorker:
                 is_mla=self.geom.is_mla,
                 backend_name=self._backend_name(name),
             )
-            for name, t in zip(self.geom.layer_names, tensors)
+            for name, t in zip(self._layout_names(), tensors)
         ]
         pool = allocate_pool(self.num_pages, layouts, cfg.hicache_mem_layout, device)
         if cfg.hicache_io_backend == "kernel" and not pool.is_pinned:
             cfg = self._without_pinning(cfg)
-        self.data = KVDataPath.build(tensors, layouts, pool, cfg.hicache_io_backend,
-                                     clock=self.clock)
+        self.data = KVDataPath.build(
+            tensors, layouts, pool, cfg.hicache_io_backend, clock=self.clock,
+            group_layers=[g.layers for g in self.geom.groups],
+            num_l1_blocks=self.geom.num_l1_blocks)
         if cfg.storage is not None:
             self._io = build_storage_io(cfg, self.geom, self._vllm_config, pool)
         # The engine's one INFO line is the scheduler half's (connector.start_line).
@@ -127,6 +136,38 @@ class HiCacheWorker:
             self.num_pages, pool.num_bytes / 1e9, cfg.hicache_mem_layout,
             cfg.hicache_io_backend, device,
         )
+
+    def _attention_layer(self) -> int:
+        """Index of the first attention layer (the page layout's model)."""
+        mamba = {i for g in self.geom.mamba_groups for i in self.geom.groups[g].layers}
+        return next(i for i in range(self.geom.num_layers) if i not in mamba)
+
+    def _state_layers_as_pages(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Mamba groups' raw state tensors, viewed as attention-shaped pages
+        (``datapath.block_view``: byte-exact, padding included)."""
+        if not self.geom.mamba_groups:
+            return tensors
+        like = tensors[self._attention_layer()]
+        out = list(tensors)
+        for g in self.geom.mamba_groups:
+            for i in self.geom.groups[g].layers:
+                try:
+                    out[i] = block_view(tensors[i], like)
+                except ValueError as exc:
+                    raise ValueError(f"HiCache: Mamba state layer {self.geom.layer_names[i]}: "
+                                     f"{exc}") from exc
+        return out
+
+    def _layout_names(self) -> list[str]:
+        """Per layer, the layer whose attention backend describes its layout
+        (a Mamba layer is viewed as the first attention layer's layout)."""
+        names = list(self.geom.layer_names)
+        if self.geom.mamba_groups:
+            like = names[self._attention_layer()]
+            for g in self.geom.mamba_groups:
+                for i in self.geom.groups[g].layers:
+                    names[i] = like
+        return names
 
     @staticmethod
     def _without_pinning(cfg: HiCacheConfig) -> HiCacheConfig:
@@ -179,6 +220,9 @@ class HiCacheWorker:
         meta = self._meta
         if meta is None:
             return
+        if self._hybrid:
+            for job in meta.async_loads:
+                self._async_blocks[job.req_id] = frozenset(job.copy.block_ids)
         self.data.start_loads(_loads(meta.async_loads))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -220,7 +264,26 @@ class HiCacheWorker:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         if self.data is None:
             return None, None
-        return None, (self.data.poll() or None)
+        done = self.data.poll()
+        if self._hybrid:
+            self._fail_requests_of_load_errors(done)
+        return None, (done or None)
+
+    def _fail_requests_of_load_errors(self, done: set[str]) -> None:
+        """Hybrid models: vLLM takes load failures only per request (block
+        ids are unique only within a group), so failed blocks become the
+        requests whose async load they belong to."""
+        failed_blocks = self.data.take_load_errors()
+        for req_id in done:
+            blocks = self._async_blocks.pop(req_id, frozenset())
+            if not blocks.isdisjoint(failed_blocks):
+                self._failed_recving.add(req_id)
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose async load failed (hybrid models), reported with
+        (or after) their finished_recving."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def worker_meta(self) -> HiCacheWorkerMetadata | None:
         # Failed stores are reported with or without L3: the L2 index needs them.
@@ -234,7 +297,7 @@ class HiCacheWorker:
         if (not progress and not backups and not failed_pages and not storage_acks
                 and not backup_failures):
             return None
-        rank = self._io.tp_rank if self._io is not None else None
+        rank = self._io.rank if self._io is not None else None
         return HiCacheWorkerMetadata(
             prefetch={op: {rank: p} for op, p in progress.items()},
             backups={op: {rank} for op in backups},
@@ -258,13 +321,15 @@ class HiCacheWorker:
             if invalid:
                 counts[key("l3_errors", "invalid_object")] = invalid
             now = time.monotonic()
-            if io.tp_rank == 0 and now - self._l3_gauges_at >= 1.0:
+            if io.rank == 0 and now - self._l3_gauges_at >= 1.0:
                 self._l3_gauges_at = now
                 gauges = l3_usage_gauges(io.pages.backend)
         return counts, gauges
 
     def take_load_errors(self) -> set[int]:
-        return self.data.take_load_errors() if self.data is not None else set()
+        if self.data is None or self._hybrid:
+            return set()  # hybrid: reported per request (take_failed_recving)
+        return self.data.take_load_errors()
 
     def shutdown(self) -> None:
         # L3 first: queued backups still read the pool.

@@ -10,7 +10,9 @@ Nothing in this package imports vLLM, so it runs (and is tested,
 """
 
 from vllm_hicache.datapath.async_loads import AsyncLoader
+from vllm_hicache.datapath.grouped import GroupedTransfer
 from vllm_hicache.datapath.jobs import NO_COPY, Copy, Load
 from vllm_hicache.datapath.pipeline import KVDataPath, allocate_pool
 
-__all__ = ["NO_COPY", "AsyncLoader", "Copy", "KVDataPath", "Load", "allocate_pool"]
+__all__ = ["NO_COPY", "AsyncLoader", "Copy", "GroupedTransfer", "KVDataPath", "Load",
+           "allocate_pool"]

@@ -46,6 +46,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from vllm_hicache.datapath.async_loads import AsyncLoader
+from vllm_hicache.datapath.grouped import GroupedTransfer
 from vllm_hicache.datapath.jobs import NO_COPY, Copy, Load
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import DeviceKVLayout, make_transfer
@@ -110,10 +111,16 @@ class KVDataPath:
     @classmethod
     def build(cls, kv_tensors: Sequence[torch.Tensor], layouts: Sequence[DeviceKVLayout],
               pool: HostKVPool, io_backend: str, *, clock=None,
-              timing_events: bool = False) -> KVDataPath:
+              timing_events: bool = False, group_layers: Sequence[range] = (),
+              num_l1_blocks: int = 0) -> KVDataPath:
         """The copy engine named by the resolved ``io_backend`` over these
-        tensors, and a transfer stream when they live on a GPU."""
+        tensors, and a transfer stream when they live on a GPU.
+
+        ``group_layers``: for a hybrid model, each KV cache group's layer
+        range; copies then name blocks by group block id (``grouped.py``)."""
         transfer = make_transfer(io_backend, kv_tensors, layouts, pool)
+        if len(group_layers) > 1:
+            transfer = GroupedTransfer(transfer, group_layers, num_l1_blocks)
         device = kv_tensors[0].device
         stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         return cls(pool, transfer, stream=stream, clock=clock, timing_events=timing_events)

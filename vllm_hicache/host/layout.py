@@ -22,6 +22,13 @@ kernel_block_size``: vLLM may split one manager block into several kernel
 blocks (a backend that supports only smaller blocks), and the two token
 sub-axes then have strides that cannot always be merged into one.
 
+Head slices (heterogeneous TP, keys.HeadSlicing): an L3 object may hold a
+run of a page's heads instead of all of them. Its payload keeps the layout's
+payload order (``payload_axes``) with fewer heads, so a rank whose page is
+exactly one slice stores its page as it is (zero copy in the page-major
+layouts), and a rank with several slices per page copies each out
+(``head_slice``).
+
 Invariant: every view returned here is a strided view of the buffer (never a
 copy), and each element of the buffer belongs to exactly one
 (page, layer, plane, token, head, element) cell.
@@ -110,6 +117,21 @@ class BlockOrder(BlockDims):
     def elems(self) -> int:
         return math.prod(self.dims)
 
+    def nesting(self) -> tuple[int, ...]:
+        """Indices of ``dims``, outermost first (size-1 axes last: their
+        place does not move any element)."""
+        return tuple(sorted(range(5), key=lambda i: -self.strides[i]))
+
+    def with_heads(self, heads: int) -> BlockOrder:
+        """The same nesting of axes for a block of ``heads`` of these heads,
+        gaps closed: the order of one head slice's run (``head_slice_layout``)."""
+        assert 0 < heads <= self.heads and self.heads % heads == 0, (heads, self)
+        dims = (*self.dims[:3], heads, self.dims[4])
+        strides, step = [0] * 5, 1
+        for axis in reversed(self.nesting()):
+            strides[axis] = step
+            step *= dims[axis]
+        return BlockOrder(dims, tuple(strides))
 
     def view(self, rows: torch.Tensor) -> torch.Tensor:
         """View rows ``[..., E]`` (last dim contiguous) as ``[..., *dims]``."""
@@ -187,6 +209,34 @@ class HostLayout:
             (self.num_pages, self.num_layers, *self.order.dims),
             (pages, layers, planes, kernel_block_size * tokens, tokens, heads, dim),
         )
+
+
+    def payload_axes(self) -> tuple[int, ...]:
+        """The axes of one page's ``cells`` ([layer, plane, kernel_block,
+        token_in_kernel_block, head, elem]), outermost first, in the byte
+        order of the page's L3 payload (l3_identity.page_format_of):
+        layer_first the canonical order, page_first the page itself,
+        page_first_direct the layers, each in the native block order."""
+        if self.name == "layer_first":
+            return (0, 1, 2, 3, 4, 5)
+        if self.name == "page_first":
+            return (1, 2, 3, 0, 4, 5)
+        return (0, *(1 + axis for axis in self.order.nesting()))
+
+    def head_slice_layout(self, heads: int) -> HostLayout:
+        """A one-page layout whose page is one run of ``heads`` of this
+        layout's heads, in this layout's payload order (what an L3 head
+        slice object holds; its page format names those bytes)."""
+        return HostLayout(self.name, 1, self.num_layers, self.order.with_heads(heads))
+
+    def head_slice(self, buffer: torch.Tensor, page: int, first_head: int,
+                   num_heads: int) -> torch.Tensor:
+        """Heads [first_head, first_head + num_heads) of ``page``, axes in
+        payload order (a strided view). A copy of it is the slice's payload,
+        byte for byte the page of ``head_slice_layout(num_heads)``; with all
+        of a page-major layout's heads it is the page run itself."""
+        cells = self.cells(buffer)[page]
+        return cells[..., first_head:first_head + num_heads, :].permute(self.payload_axes())
 
 
 def page_bytes(num_layers: int, elems_per_block: int, dtype: torch.dtype) -> int:

@@ -79,6 +79,13 @@ class KVTransfer(ABC):
         issued from ``start_load_kv``, overlapped with the forward; the
         attention of that layer calls ``wait_layer`` first)."""
 
+    def copy_layers(self, layers: range, block_ids: Sequence[int], page_ids: Sequence[int],
+                    to_host: bool) -> None:
+        """Copy only ``layers`` (a contiguous range of layer indices) of these
+        blocks and pages, in either direction: hybrid models, whose KV cache
+        groups each name their own blocks (``datapath.GroupedTransfer``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy a subset of layers")
+
     def synchronize(self) -> None:
         """Block the calling thread until every issued copy has finished
         (a no-op on CPU, where copies are synchronous)."""

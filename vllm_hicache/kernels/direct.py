@@ -80,6 +80,15 @@ class DirectTransfer(KVTransfer):
         self._copy(self._layer_pairs[layer_index], block_ids, page_ids, to_host=False)
         self._tracker.mark_layer(layer_index)
 
+    @override
+    def copy_layers(self, layers: range, block_ids: Sequence[int], page_ids: Sequence[int],
+                    to_host: bool) -> None:
+        if len(layers) == len(self._layer_pairs):
+            pairs = self._all_pairs
+        else:
+            pairs = [p for layer in layers for p in self._layer_pairs[layer]]
+        self._copy(pairs, block_ids, page_ids, to_host)
+
     def _copy(
         self,
         pairs: list[CopyPair],

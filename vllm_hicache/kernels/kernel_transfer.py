@@ -109,6 +109,11 @@ class KernelTransfer(KVTransfer):
         self._copy(range(layer_index, layer_index + 1), block_ids, page_ids, to_host=False)
         self._tracker.mark_layer(layer_index)
 
+    @override
+    def copy_layers(self, layers: range, block_ids: Sequence[int], page_ids: Sequence[int],
+                    to_host: bool) -> None:
+        self._copy(layers, block_ids, page_ids, to_host)
+
     def _copy(
         self, layers: range, block_ids: Sequence[int], page_ids: Sequence[int], to_host: bool
     ) -> None:

@@ -6,6 +6,13 @@ bytes in the pool's layout (storage/format.py). For page-major layouts
 the payload buffer *is* the pool memory (zero copy). ``layer_first`` pages
 are scattered over the layers: they go through a staging copy.
 
+With head slices (keys.HeadSlicing) a page is several objects, one per
+slice of this rank's heads (``KeyNamespace.page_namespaces``), each holding
+its heads in the layout's payload order (host/layout.py ``head_slice``).
+One slice per page is the page itself (as above); several are copied out
+and back per slice. A page counts as written or read only when every one of
+its objects was.
+
 Objects are sealed and opened by the codec (storage/sealing.py): checksums,
 or with a storage secret a MAC, or authenticated encryption. It runs here,
 above the backend, so every backend (user ones too) stores and returns
@@ -79,20 +86,35 @@ class PageStore:
         self._counts = Counters("invalid_objects")
         self._invalid_log = LogThrottle()
         self._scratch = threading.local()
-        self._scratch_bytes = self.codec.scratch_bytes(pool.bytes_per_page)
-        self._zero_copy = pool.mem_layout != "layer_first"
+        # Objects per page, in the order of this rank's heads.
+        self._spaces = ns.page_namespaces()
+        self._per_page = len(self._spaces)
+        heads = pool.layout.order.heads
+        if heads % self._per_page:
+            raise ValueError(f"{heads} KV heads per page cannot be cut into "
+                             f"{self._per_page} head slices")
+        self._slice_heads = heads // self._per_page
+        self._scratch_bytes = self.codec.scratch_bytes(self.payload_bytes)
+        self._zero_copy = pool.mem_layout != "layer_first" and self._per_page == 1
         if self._zero_copy:
             backend.register_memory(_as_bytes(pool.buffer))
 
     @property
+    def payload_bytes(self) -> int:
+        """Bytes of one object's payload: a page, or one head slice of it."""
+        return self.pool.bytes_per_page // self._per_page
+
+    @property
     def object_bytes(self) -> int:
-        return HEADER_BYTES + self.pool.bytes_per_page
+        return HEADER_BYTES + self.payload_bytes
 
     def keys(self, hashes: Sequence[bytes]) -> list[str]:
-        return self.ns.object_keys(hashes)
+        """The keys of the pages' objects, page after page."""
+        per_hash = [ns.object_keys(hashes) for ns in self._spaces]
+        return [k for page_keys in zip(*per_hash) for k in page_keys]
 
     def exists_prefix(self, hashes: Sequence[bytes]) -> int:
-        return self.backend.exists_prefix(self.keys(hashes))
+        return self.backend.exists_prefix(self.keys(hashes)) // self._per_page
 
     def write(self, hashes: Sequence[bytes], pages: Sequence[int]) -> list[bool]:
         """Store pages as objects; per-page success."""
@@ -106,7 +128,8 @@ class PageStore:
                                 self.codec.seal(keys[lo + i], payloads[lo + i], headers[i],
                                                 scratch[i]))
             stored += self.backend.put(keys[lo:hi], [list(hb) for hb in zip(headers, bodies)])
-        return stored
+        n = self._per_page
+        return [all(stored[i:i + n]) for i in range(0, len(stored), n)]
 
     def read(self, hashes: Sequence[bytes], pages: Sequence[int]) -> int:
         """Fill ``pages`` from the objects of ``hashes``; leading pages read."""
@@ -120,9 +143,10 @@ class PageStore:
                 break
         if good < len(keys):
             logger.debug("L3 read: %d of %d objects valid", good, len(keys))
-        if not self._zero_copy and good:
-            self._scatter(pages[:good], payloads[:good])
-        return good
+        good_pages = good // self._per_page
+        if not self._zero_copy and good_pages:
+            self._scatter(pages[:good_pages], payloads[:good_pages * self._per_page])
+        return good_pages
 
     @property
     def invalid_objects(self) -> int:
@@ -185,8 +209,11 @@ class PageStore:
     # --- payload buffers ---------------------------------------------------
 
     def _payloads(self, pages: Sequence[int]) -> list[np.ndarray]:
+        """One buffer per object, page after page."""
         if self._zero_copy:
             return [_as_bytes(self.pool.page_run(p)) for p in pages]
+        if self._per_page > 1:
+            return [_as_bytes(view) for p in pages for view in self._slices(p)]
         staged = self.pool.read_pages(list(pages))
         return [_as_bytes(staged[i]) for i in range(len(pages))]
 
@@ -195,9 +222,21 @@ class PageStore:
             # Zero copy means a failed read may leave garbage in the page;
             # harmless: the page is not indexed unless the read verified.
             return [_as_bytes(self.pool.page_run(p)) for p in pages]
-        return [np.empty(self.pool.bytes_per_page, np.uint8) for _ in pages]
+        return [np.empty(self.payload_bytes, np.uint8)
+                for _ in range(len(pages) * self._per_page)]
+
+    def _slices(self, page: int) -> list[torch.Tensor]:
+        """Views of ``page``'s head slices, in payload order."""
+        layout, heads = self.pool.layout, self._slice_heads
+        return [layout.head_slice(self.pool.buffer, page, j * heads, heads)
+                for j in range(self._per_page)]
 
     def _scatter(self, pages: Sequence[int], payloads: list[np.ndarray]) -> None:
+        if self._per_page > 1:
+            views = [view for p in pages for view in self._slices(p)]
+            for view, payload in zip(views, payloads):
+                view.copy_(torch.from_numpy(payload).view(self.pool.dtype).view(view.shape))
+            return
         shape = self.pool.canonical_page_shape
         data = torch.stack([
             torch.from_numpy(p).view(self.pool.dtype).view(shape) for p in payloads

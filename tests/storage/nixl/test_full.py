@@ -39,8 +39,9 @@ def test_full_store_skips_writes_and_keeps_reads_exact(tmp_path):
         b.close()
         print("ok", len(stored))
     """)
-    cmd = ["unshare", "-m", "sh", "-c",
-           f"mount -t tmpfs -o size=128k tmpfs {mnt} && exec {sys.executable} -c \"$0\"", script]
+    # mode=0700: the store refuses a directory others can write (tmpfs defaults to 1777).
+    mount = f"mount -t tmpfs -o size=128k,mode=0700 tmpfs {mnt}"
+    cmd = ["unshare", "-m", "sh", "-c", f"{mount} && exec {sys.executable} -c \"$0\"", script]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert out.returncode == 0 and "ok" in out.stdout, (out.stdout[-2000:], out.stderr[-3000:])

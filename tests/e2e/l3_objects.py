@@ -1,0 +1,64 @@
+"""Negative controls for engine tests: rewrite objects of a file-backend L3
+store so that they still verify (resealed with the checksum codec, as an
+instance without storage_secret writes them) but hold other KV. An engine
+that then hits them and still answers like recomputation did not use the
+KV it loaded."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from vllm_hicache.connector.l3_canary import is_canary_key
+from vllm_hicache.storage.format import HEADER_BYTES
+from vllm_hicache.storage.sealing import ChecksumCodec
+
+
+def objects(root: str | Path) -> dict[str, Path]:
+    """key -> file of every block's object under ``root`` (keys: keys.py;
+    not the start-up canaries, l3_canary.py)."""
+    found = {p.name.removesuffix(".hckv"): p for p in Path(root).rglob("*.hckv")}
+    return {k: p for k, p in found.items() if not is_canary_key(k)}
+
+
+def shard_of(key: str) -> str:
+    return key.split("-")[2]
+
+
+def _payload(path: Path) -> np.ndarray:
+    return np.frombuffer(path.read_bytes()[HEADER_BYTES:], np.uint8).copy()
+
+
+def _reseal(path: Path, key: str, payload: np.ndarray) -> None:
+    header = np.empty(HEADER_BYTES, np.uint8)
+    body = ChecksumCodec().seal(key, payload, header)
+    path.write_bytes(header.tobytes() + body.tobytes())
+
+
+def swap_shards(root: str | Path, a: str, b: str) -> int:
+    """Swap the payloads of shard ``a``'s and ``b``'s objects of each block
+    (e.g. head slices s0 and s1); the number of pairs swapped."""
+    by_block: dict[tuple[str, str], dict[str, tuple[str, Path]]] = defaultdict(dict)
+    for key, path in objects(root).items():
+        _, digest, shard, block = key.split("-")
+        by_block[(digest, block)][shard] = (key, path)
+    pairs = [(s[a], s[b]) for s in by_block.values() if a in s and b in s]
+    for (key_a, path_a), (key_b, path_b) in pairs:
+        payload_a, payload_b = _payload(path_a), _payload(path_b)
+        _reseal(path_a, key_a, payload_b)
+        _reseal(path_b, key_b, payload_a)
+    return len(pairs)
+
+
+def shift_shard(root: str | Path, shard: str) -> int:
+    """Give each of ``shard``'s objects but the last the payload of the next
+    one (another block's KV: the first block's is lost, the last one's
+    doubled); the number of objects rewritten. Not a rotation: attention
+    sums over (K, V) pairs, so a permutation of whole blocks would change
+    no answer."""
+    found = sorted((k, p) for k, p in objects(root).items() if shard_of(k) == shard)
+    for (key, path), (_, donor) in zip(found, found[1:]):
+        _reseal(path, key, _payload(donor))
+    return max(0, len(found) - 1)
