@@ -85,12 +85,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     ensure_model(args.model)
     core = args.core if args.core >= 0 else sorted(os.sched_getaffinity(0))[-1]
+    machine = machine_info(core)  # before the affinity below hides the compute core
     # The clients, API servers and engine cores stay off the compute core.
     os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - {core} or {core})
     results = {
         "command": shlex.join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine_info(core), "code": code_state(), "plan": plan.to_json(),
+        "machine": machine, "code": code_state(), "plan": plan.to_json(),
         "ideal_blocks":
         plan.ideal_blocks(), "working_set_blocks": plan.working_set_blocks(), "systems": {},
     }

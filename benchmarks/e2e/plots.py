@@ -100,7 +100,7 @@ def hit_rates(results: dict, out: Path) -> Path | None:
     ax.set_xticklabels(labels, rotation=40, ha="right", fontsize=8)
     ax.set_ylim(0, 112)
     ax.set_ylabel("% of prompt tokens served from cache")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Cached prompt tokens per tier vs reusable", fontsize=11)
     fig.tight_layout()
     path = out / "bench_serve_hits.png"

@@ -125,6 +125,9 @@ def bench_stats(results: dict, system: str, workload: str) -> dict | None:
         "ttft": {"mean": mean("mean_ttft_ms"), "p50": mean("median_ttft_ms"),
                  "p90": mean("p90_ttft_ms"), "p99": mean("p99_ttft_ms")},
         "e2e": {"mean": mean("mean_e2el_ms"), "p99": mean("p99_e2el_ms")},
+        # The decode step: the median gap between streamed tokens, pooled over
+        # the runs (robust to the few gaps where another request's prefill ran).
+        "itl_p50_ms": _pct([x * 1e3 for p in phases for i in p.get("itls", ()) for x in i], 0.5),
         "tiers": {t: sum(p["hits"][t] for p in phases) / prompt for t in ("L1", "L2", "L3")},
         "reusable": sum(p.get("reusable_tokens", 0) for p in phases) / prompt,
         "failed": sum(p.get("failed", 0) for p in phases),
@@ -209,7 +212,8 @@ def bench_table(results: dict, workload: str) -> list[str]:
     lines = [f"#### {workload} (`bench serve --dataset-name {spec['dataset']}`): {what}, "
              f"{spec['output_tokens']} output tokens, {load}", "",
              "| system | runs | req/s | vs vLLM | tok/s | TTFT mean | p50 | p90 | p99 | "
-             "E2E mean | E2E p99 | L1 | L2 | L3 | reusable |", "| --- |" + " ---: |" * 14]
+             "E2E mean | E2E p99 | ITL p50 | L1 | L2 | L3 | reusable |",
+             "| --- |" + " ---: |" * 15]
     for s in systems:
         b = bench_stats(results, s, workload)
         runs = "/".join(f"{v:.3f}" for v in b["req_s_runs"])
@@ -217,8 +221,8 @@ def bench_table(results: dict, workload: str) -> list[str]:
             f"| {s} | {runs} | {b['req_s']:.3f} | {_ratio(b['req_s'], base and base['req_s']):.3f}"
             f" | {b['tok_s']:.0f} | {b['ttft']['mean']:.0f} | {b['ttft']['p50']:.0f} | "
             f"{b['ttft']['p90']:.0f} | {b['ttft']['p99']:.0f} | {b['e2e']['mean']:.0f} | "
-            f"{b['e2e']['p99']:.0f} | {b['tiers']['L1']:.1%} | {b['tiers']['L2']:.1%} | "
-            f"{b['tiers']['L3']:.1%} | {b['reusable']:.1%} |")
+            f"{b['e2e']['p99']:.0f} | {b['itl_p50_ms']:.1f} | {b['tiers']['L1']:.1%} | "
+            f"{b['tiers']['L2']:.1%} | {b['tiers']['L3']:.1%} | {b['reusable']:.1%} |")
     return lines + [""]
 
 
@@ -249,6 +253,9 @@ def targets(results: dict) -> list[str]:
                 e2e = b["e2e"]["mean"] / base["e2e"]["mean"]
                 lines.append(f"| no-reuse mean E2E latency vs vLLM | {w} | {s} | {e2e:.3f}x | "
                              "info |")
+                itl = _ratio(b["itl_p50_ms"], base["itl_p50_ms"])
+                lines.append(f"| no-reuse decode step (ITL p50) vs vLLM | {w} | {s} | "
+                             f"{itl:.3f}x | info |")
     for w in session_workloads(results) + bench_workloads(results):
         if w.startswith("random"):
             continue

@@ -108,7 +108,7 @@ def test_salts_never_share_l2_or_l3(tiny_model_dir, reference, tmp_path, caplog)
         assert half.stats.load_error_blocks == 0
     finally:
         close(llm)
-    assert "objects sealed with mac" in caplog.text  # our logs were captured ...
+    assert "objects sealed with gmac" in caplog.text  # our logs were captured ...
     assert SECRET not in caplog.text  # ... and none shows the secret
 
 
