@@ -38,7 +38,7 @@ def scheduler_and_state(mamba_ids: list[int]):
     sched = HiCacheScheduler(make_config(hicache_ratio=2),
                              geometry_from(kv_config(MAMBA, FULL, num_blocks=16)))
     pool = FakePool()
-    sched._block_pool, sched._null_block_id = pool, 0
+    sched._groups.bind(pool)
     request = SimpleNamespace(block_hashes=HASHES, request_id="r", priority=0)
     state = ReqState(request, group_block_ids=[list(mamba_ids), [10, 11, 12, 13, 14, 15]])
     return sched, pool, state
@@ -47,12 +47,12 @@ def scheduler_and_state(mamba_ids: list[int]):
 def test_state_where_the_forward_ends_on_the_boundary():
     # A chunk [96, 128): the state is written into position 3's block.
     sched, _, state = scheduler_and_state([0, 0, 0, 5])
-    assert sched._holds_every_group(state, 3, done_tokens=4 * BLOCK)
+    assert sched._groups.holds_every_group(state, 3, done_tokens=4 * BLOCK)
     # The same block after a forward ending past the boundary is the running
     # state of a later token, not this boundary's.
-    assert not sched._holds_every_group(state, 3, done_tokens=4 * BLOCK + 7)
+    assert not sched._groups.holds_every_group(state, 3, done_tokens=4 * BLOCK + 7)
     # Null positions hold no state.
-    assert not sched._holds_every_group(state, 2, done_tokens=3 * BLOCK)
+    assert not sched._groups.holds_every_group(state, 2, done_tokens=3 * BLOCK)
 
 
 def test_state_of_an_earlier_position_only_where_vllm_keys_it():
@@ -60,15 +60,15 @@ def test_state_of_an_earlier_position_only_where_vllm_keys_it():
     # position 3 (vLLM keys its block by position 3's prefix hash).
     sched, pool, state = scheduler_and_state([0, 0, 6, 5, 7])
     done = 4 * BLOCK + 20
-    assert not sched._holds_every_group(state, 3, done)
+    assert not sched._groups.holds_every_group(state, 3, done)
     pool.key(5, 3)
-    assert sched._holds_every_group(state, 3, done)
+    assert sched._groups.holds_every_group(state, 3, done)
     # Our table names block 6 at position 2, but vLLM freed it and keyed it
     # for another prefix (or for another group): not stored.
     pool.key(6, 4)
-    assert not sched._holds_every_group(state, 2, done)
+    assert not sched._groups.holds_every_group(state, 2, done)
     pool.blocks[6].block_hash = make_block_hash_with_group_id(HASHES[2], 1)
-    assert not sched._holds_every_group(state, 2, done)
+    assert not sched._groups.holds_every_group(state, 2, done)
 
 
 def test_store_range_stores_whole_pages_only():

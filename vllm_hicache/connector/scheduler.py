@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.access_log import open_access_log
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
+from vllm_hicache.connector.group_blocks import GroupBlocks
 from vllm_hicache.connector.inflight import InflightLoads
 from vllm_hicache.connector.kv_events import MEDIUM_L2, KVEventLog
 from vllm_hicache.connector.l3_attach import StorageControl
@@ -54,12 +55,7 @@ from vllm_hicache.connector.request_params import (
 )
 from vllm_hicache.connector.request_state import ReqState, track_scheduled
 from vllm_hicache.connector.stats import HiCacheStats, SchedulerReport, key
-from vllm_hicache.connector.vllm_compat import (
-    drop_l1_blocks,
-    l1_block_holds,
-    l1_has_block,
-    null_block_id,
-)
+from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_has_block
 from vllm_hicache.connector.write_back import WriteBackCopy, WriteBackWatcher
 from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
@@ -102,10 +98,7 @@ class HiCacheScheduler:
         self.block_size = geom.block_size
         # Hybrid models: copies name each group's blocks (geometry.group_block_id).
         self.geom = geom
-        self._sliding_windows = [g.sliding_window_tokens for g in geom.groups
-                                 if g.sliding_window_tokens]
-        self._mamba_groups = geom.mamba_groups
-        self._null_block_id = 0  # vLLM's null block, read from the pool once bound
+        self._groups = GroupBlocks(geom)
         self.num_pages = host_num_pages(cfg, geom)
         # Every rank on this host allocates its own pool: refuse before the
         # tree (or any worker) allocates anything.
@@ -225,7 +218,7 @@ class HiCacheScheduler:
         kind = OpKind.ASYNC_LOAD if self.load_async else OpKind.LOAD
         rng = PinnedRange(tuple(hashes), tuple(range(start, end)), tuple(pages))
         op = self.ops.open(kind, self._step, [rng], req_id, block_ids)
-        job = LoadJob(req_id, merge_copies(self._group_pairs(group_ids, start, pages)))
+        job = LoadJob(req_id, merge_copies(self._groups.pairs(group_ids, start, pages)))
         if self.load_async:
             self._step_async_loads.append(job)
             self._inflight.start(req_id, op, hashes[start:])
@@ -236,30 +229,6 @@ class HiCacheScheduler:
         self.recent_hit_tokens[req_id] = num_external_tokens
         if len(self.recent_hit_tokens) > _RECENT_HITS:
             self.recent_hit_tokens.popitem(last=False)
-
-    def _group_pairs(self, group_ids, start: int, pages) -> list[BlockPage]:
-        """The (block, page) pairs copying block positions ``start, start+1,
-        ...`` to or from ``pages``, for every KV cache group.
-
-        One group: its block ids. Hybrid models: every group's block at each
-        position, as group block ids, except where the group holds vLLM's
-        null block (a sliding window's skipped position: nothing to copy).
-        Every page holds every group's layers (pages are stored whole, see
-        ``_store_range``; a Mamba group's part is the state at the page's end
-        boundary), so a hit is restorable in every group: the all-or-nothing
-        rule needs no per-group check at lookup. For an external hit of N
-        blocks vLLM gives a Mamba group only the block at position N-1 (the
-        others are null), so only the last page's state is loaded."""
-        if len(group_ids) == 1:
-            ids = group_ids[0]
-            return [BlockPage(ids[start + k], page) for k, page in enumerate(pages)]
-        pairs = []
-        for group, ids in enumerate(group_ids):
-            for k, page in enumerate(pages):
-                block = ids[start + k]
-                if block != self._null_block_id:
-                    pairs.append(BlockPage(self.geom.group_block_id(group, block), page))
-        return pairs
 
     def _record_hit_tiers(self, req_id: str, start: int, end: int) -> None:
         """Split the hit [start, end) into what was in L2 and what this
@@ -361,50 +330,11 @@ class HiCacheScheduler:
         self.stats.record_store_limited(hi - max(lo, limit))
         return limit
 
-    def _first_intact_block(self, state: ReqState) -> int:
-        """First block position whose KV every group still holds once this
-        step's forward has run. vLLM freed the sliding-window blocks before
-        ``num_computed_tokens - window + 1`` when it scheduled this step, and
-        may hand them to others in this very forward."""
-        first = 0
-        for window in self._sliding_windows:
-            skipped_tokens = max(0, state.num_computed_tokens - window + 1)
-            first = max(first, skipped_tokens // self.block_size)
-        return first
-
-    def _holds_every_group(self, state: ReqState, block: int, done_tokens: int) -> bool:
-        """Will every group hold this position's data once this step's
-        forward (ending at ``done_tokens``) has run (hybrid)? Attention
-        groups: a real block. Mamba groups (``_holds_state``): the state of
-        the boundary after this block."""
-        tables = state.group_block_ids
-        if not all(block < len(ids) and ids[block] != self._null_block_id for ids in tables):
-            return False
-        return all(self._holds_state(state, g, block, done_tokens) for g in self._mamba_groups)
-
-    def _holds_state(self, state: ReqState, group: int, block: int, done_tokens: int) -> bool:
-        """Does Mamba group ``group``'s block at position ``block`` hold the
-        state of the prefix ending at that block's boundary once this step's
-        forward has run? In vLLM's ``align`` mode the forward writes a
-        request's state into its block at position ``(done_tokens - 1) //
-        block_size``, a block this step's table names (vLLM nulls only older
-        positions), so a forward ending exactly on the boundary leaves that
-        state there. Elsewhere, only a block vLLM itself keys by this
-        prefix's hash holds it (a prefill checkpoint it retains): our copy of
-        the table may name a block vLLM freed and handed on, which has lost
-        that hash."""
-        num_tokens = (block + 1) * self.block_size
-        if done_tokens == num_tokens:
-            return True
-        return self._block_pool is not None and l1_block_holds(
-            self._block_pool, state.group_block_ids[group][block],
-            state.request.block_hashes[block], group, num_tokens)
-
     def _store_range(self, state: ReqState, lo: int, hi: int,
                      done_tokens: int) -> list[BlockPage]:
-        if self._sliding_windows:
+        if self._groups.sliding_windows:
             # A page is stored whole (every group's KV of its position) or not at all.
-            lo = max(lo, self._first_intact_block(state))
+            lo = max(lo, self._groups.first_intact_block(state))
             if lo >= hi:
                 return []
         hashes = state.request.block_hashes[:hi]
@@ -413,7 +343,7 @@ class HiCacheScheduler:
         want = [
             i for i in range(lo, hi)
             if (i >= len(matched) or matched[i] is None)
-            and self._holds_every_group(state, i, done_tokens)
+            and self._groups.holds_every_group(state, i, done_tokens)
             and self.write_policy.should_store(hashes[i])
         ]
         if not want:
@@ -430,7 +360,7 @@ class HiCacheScheduler:
         self.stats.record_store(len(want))
         pairs: list[BlockPage] = []
         for i, page in zip(want, pages):
-            pairs += self._group_pairs(state.group_block_ids, i, (page,))
+            pairs += self._groups.pairs(state.group_block_ids, i, (page,))
         return pairs
 
     def _insert_pinned(self, kind: OpKind, chain, blocks: list[int], pages: list[int],
@@ -588,7 +518,7 @@ class HiCacheScheduler:
 
     def bind_gpu_block_pool(self, block_pool) -> None:
         self._block_pool = block_pool
-        self._null_block_id = null_block_id(block_pool)
+        self._groups.bind(block_pool)
         if self.cfg.hicache_write_policy == "write_back":
             self._write_back = WriteBackWatcher(
                 block_pool, 2 * block_pool.num_gpu_blocks, on_reset=self._plan_write_backs
