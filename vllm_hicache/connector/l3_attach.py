@@ -42,14 +42,11 @@ the write policy in place (no idle wait for transfers: nothing is rebuilt);
 different backend options, another backend, a different storage_secret are
 refused (409): detach first.
 
-Backfill: what L2 held before the attach is backed up in the background,
-hottest first (``HiRadixTree.hot_nodes``), at most ``BACKFILL_PAGES_PER_STEP``
-pages a step and ``BACKFILL_MAX_INFLIGHT_PAGES`` unacknowledged, as ordinary
-BACKUP ops (pinned until every rank acknowledged). A node's objects are keyed
-by the node's own block hashes: those are vLLM's chained block hashes, the
-very hashes a later lookup passes to ``KeyNamespace.object_keys`` (the tree
-stores nothing else), and each op pins the node's whole chain from the root
-(``HiRadixTree.node_chain``), as a store's backup does.
+Backfill: what L2 held before the attach is backed up in the background
+(l3_backfill.py), at most ``BACKFILL_PAGES_PER_STEP`` pages a step and
+``BACKFILL_MAX_INFLIGHT_PAGES`` unacknowledged, as ordinary BACKUP ops
+(pinned until every rank acknowledged). The worker side of a command is
+l3_attach_worker.py.
 """
 
 from __future__ import annotations
@@ -65,17 +62,16 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm_hicache.connector.l3_backfill import Backfill
 from vllm_hicache.connector.metadata import BackupJob, StorageCommand
-from vllm_hicache.connector.page_ops import OpKind, PageOps, PinnedRange
+from vllm_hicache.connector.page_ops import OpKind, PageOps
 from vllm_hicache.policy.write import WritePolicy
-from vllm_hicache.storage_config import StorageConfig, parse_storage
+from vllm_hicache.storage_config import StorageConfig
 
 if TYPE_CHECKING:
     from vllm_hicache.config import HiCacheConfig
     from vllm_hicache.connector.l3_scheduler import StoragePlanner
     from vllm_hicache.connector.scheduler import HiCacheScheduler
-    from vllm_hicache.connector.worker import HiCacheWorker
-    from vllm_hicache.index import HiRadixTree
 
 logger = logging.getLogger(__name__)
 
@@ -135,70 +131,6 @@ def _answer(cmd: _Command, status: int, body: dict[str, Any]) -> None:
         cmd.future.set_result((status, body))
     except InvalidStateError:
         pass  # withdrawn (cancelled) by its HTTP handler meanwhile
-
-
-class Backfill:
-    """Backs up to L3 what L2 held when L3 was attached, hottest first."""
-
-    def __init__(self, nodes: list, pages_per_step: int, max_inflight_pages: int) -> None:
-        self._nodes = nodes
-        self._next = 0
-        # Block hashes queued already (a chain's prefix is shared by many nodes).
-        self._queued: set[bytes] = set()
-        self._open: dict[int, int] = {}  # backup op id -> pages
-        self.pages_per_step = pages_per_step
-        self.max_inflight_pages = max_inflight_pages
-        self.queued_pages = 0
-        self.started = time.monotonic()
-
-    @property
-    def pending(self) -> bool:
-        return self._next < len(self._nodes)
-
-    def inflight_pages(self, planner: StoragePlanner) -> int:
-        for op_id in [o for o in self._open if not planner.is_backup_open(o)]:
-            del self._open[op_id]
-        return sum(self._open.values())
-
-    def can_plan(self, planner: StoragePlanner) -> bool:
-        return self.pending and self.inflight_pages(planner) < self.max_inflight_pages
-
-    def done(self, planner: StoragePlanner) -> bool:
-        return not self.pending and self.inflight_pages(planner) == 0
-
-    def next_ranges(self, tree: HiRadixTree, budget: int) -> list[PinnedRange]:
-        """Up to ``budget`` pages not queued yet, node by node."""
-        ranges: list[PinnedRange] = []
-        while budget > 0 and self.pending:
-            found = tree.node_chain(self._nodes[self._next])
-            if found is None:  # evicted or invalidated since the snapshot
-                self._next += 1
-                continue
-            chain, pages = found
-            blocks = [i for i, page in enumerate(pages)
-                      if page is not None and chain[i] not in self._queued]
-            if len(blocks) > budget:
-                blocks = blocks[:budget]  # the rest of this node next time
-            else:
-                self._next += 1
-            if not blocks:
-                continue
-            self._queued.update(chain[i] for i in blocks)
-            ranges.append(PinnedRange(tuple(chain[: blocks[-1] + 1]), tuple(blocks),
-                                      tuple(pages[i] for i in blocks)))
-            budget -= len(blocks)
-        return ranges
-
-    def opened(self, op_id: int, num_pages: int) -> None:
-        self._open[op_id] = num_pages
-        self.queued_pages += num_pages
-
-    def report(self, planner: StoragePlanner | None) -> dict[str, Any]:
-        return {
-            "nodes_total": len(self._nodes), "nodes_left": len(self._nodes) - self._next,
-            "pages_queued": self.queued_pages,
-            "pages_in_flight": self.inflight_pages(planner) if planner is not None else 0,
-        }
 
 
 class StorageControl:
@@ -636,52 +568,6 @@ def _close_quietly(planner: StoragePlanner | None) -> None:
     except Exception:  # closing a client must not fail an admin call
         logger.warning("HiCache L3: closing the scheduler's backend client failed",
                        exc_info=True)
-
-
-# --- worker side ----------------------------------------------------------------
-
-
-def run_storage_command(worker: HiCacheWorker, cmd: StorageCommand) -> dict[int, dict[int, str]]:
-    """Attach or detach this rank's L3 client (``HiCacheWorker._io``);
-    the ack for ``worker_meta``: {cmd_id: {worker rank: error or ""}}
-    (l3_setup.worker_rank: unique over PP x TP)."""
-    from vllm_hicache.connector.l3_setup import worker_rank
-
-    rank = worker_rank(worker._vllm_config)
-    try:
-        if cmd.action == "detach":
-            _detach_worker(worker)
-        else:
-            _attach_worker(worker, cmd)
-        error = ""
-    except Exception as err:  # noqa: BLE001 - reported, then rolled back
-        error = _shown_error(err)
-        logger.warning("HiCache L3: %s on rank %d failed: %s", cmd.action, rank, error)
-    return {cmd.cmd_id: {rank: error}}
-
-
-def _attach_worker(worker: HiCacheWorker, cmd: StorageCommand) -> None:
-    from vllm_hicache.connector.l3_canary import DisabledPageStore
-    from vllm_hicache.connector.l3_setup import build_storage_io
-
-    if worker.pool is None:
-        raise RuntimeError("KV caches are not registered yet")
-    if worker._io is not None:  # never planned: the scheduler attaches only when detached
-        _detach_worker(worker)
-    cfg = dataclasses.replace(worker.cfg, storage=parse_storage(cmd.storage_keys or {}))
-    io = build_storage_io(cfg, worker.geom, worker._vllm_config, worker.pool, cmd.canary_pages)
-    if isinstance(io.pages, DisabledPageStore):
-        io.shutdown()
-        raise RuntimeError(io.pages.reason)
-    worker._io = io
-    worker.cfg = cfg
-
-
-def _detach_worker(worker: HiCacheWorker) -> None:
-    io, worker._io = worker._io, None
-    worker.cfg = dataclasses.replace(worker.cfg, storage=None)
-    if io is not None:
-        io.shutdown()
 
 
 def make_control(sched: HiCacheScheduler, geom, vllm_config) -> StorageControl:

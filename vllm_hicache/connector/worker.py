@@ -31,7 +31,7 @@ import torch
 
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
-from vllm_hicache.connector.l3_attach import run_storage_command
+from vllm_hicache.connector.l3_attach_worker import run_storage_command
 from vllm_hicache.connector.l3_setup import build_storage_io
 from vllm_hicache.connector.l3_worker import StorageIO
 from vllm_hicache.connector.metadata import (
