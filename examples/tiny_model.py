@@ -35,23 +35,35 @@ def build_tiny_llama(
     seed: int = 0,
 ) -> Path:
     """Write the model to ``out_dir`` once; return its path."""
+
+    def make_model():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=512, hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=2,
+            head_dim=hidden_size // num_heads, max_position_embeddings=2048, torch_dtype=dtype,
+            bos_token_id=1, eos_token_id=2,
+        )
+        return LlamaForCausalLM(config).to(getattr(torch, dtype))
+
+    return build_once(out_dir, seed, make_model)
+
+
+def build_once(out_dir: str | os.PathLike, seed: int, make_model) -> Path:
+    """Seed torch, build ``make_model()`` and save it with the word-level
+    tokenizer under ``out_dir``, unless a finished build is already there
+    (the ``.complete`` stamp, written last); return the directory."""
     out = Path(out_dir)
     stamp = out / ".complete"
     if stamp.exists():
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=2,
-        head_dim=hidden_size // num_heads, max_position_embeddings=2048, torch_dtype=dtype,
-        bos_token_id=1, eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(out)
+    make_model().save_pretrained(out)
     _save_tokenizer(out)
     stamp.write_text("ok\n")
     return out

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tiny_model import build_once
+
 # Tokens one sliding-window layer attends to: two 32-token blocks, so prompts
 # of a few hundred tokens leave most of their sliding-window blocks behind.
 GEMMA3_SLIDING_WINDOW = 64
@@ -27,68 +29,55 @@ GEMMA3_SLIDING_WINDOW = 64
 def build_tiny_gemma3(out_dir: str | os.PathLike, *, num_layers: int = 4,
                       seed: int = 0) -> Path:
     """Write the model to ``out_dir`` once; return its path."""
-    out = Path(out_dir)
-    stamp = out / ".complete"
-    if stamp.exists():
-        return out
-    import torch
-    from tiny_model import _save_tokenizer
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, sliding_window=GEMMA3_SLIDING_WINDOW,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                     for i in range(num_layers)],
-        max_position_embeddings=2048, torch_dtype="float32",
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    model = Gemma3ForCausalLM(config).to(torch.float32)
-    # Random init leaves outputs nearly input-independent; larger weights
-    # make every token (and so every loaded block) change the output.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(out)
-    _save_tokenizer(out)
-    stamp.write_text("ok\n")
-    return out
+    def make_model():
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(
+            vocab_size=512, hidden_size=128, intermediate_size=256,
+            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, sliding_window=GEMMA3_SLIDING_WINDOW,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                         for i in range(num_layers)],
+            max_position_embeddings=2048, torch_dtype="float32",
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        return _widened(Gemma3ForCausalLM(config))
+
+    return build_once(out_dir, seed, make_model)
 
 
 def build_tiny_granite_hybrid(out_dir: str | os.PathLike, *, num_layers: int = 4,
                               seed: int = 0) -> Path:
     """Write the model to ``out_dir`` once; return its path."""
-    out = Path(out_dir)
-    stamp = out / ".complete"
-    if stamp.exists():
-        return out
-    import torch
-    from tiny_model import _save_tokenizer
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    config = GraniteMoeHybridConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, shared_intermediate_size=256,
-        num_local_experts=0, num_experts_per_tok=0,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        layer_types=["mamba" if i % 2 == 0 else "attention" for i in range(num_layers)],
-        mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
-        mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=32,
-        position_embedding_type="rope", max_position_embeddings=2048,
-        torch_dtype="float32", bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    model = GraniteMoeHybridForCausalLM(config).to(torch.float32)
-    # As for Gemma3: larger weights make every token change the output.
+    def make_model():
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        config = GraniteMoeHybridConfig(
+            vocab_size=512, hidden_size=128, intermediate_size=256, shared_intermediate_size=256,
+            num_local_experts=0, num_experts_per_tok=0,
+            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+            layer_types=["mamba" if i % 2 == 0 else "attention" for i in range(num_layers)],
+            mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+            mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=32,
+            position_embedding_type="rope", max_position_embeddings=2048,
+            torch_dtype="float32", bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        return _widened(GraniteMoeHybridForCausalLM(config))
+
+    return build_once(out_dir, seed, make_model)
+
+
+def _widened(model):
+    """float32, with weights drawn wider than the default init: that leaves
+    outputs nearly input-independent, and every token (so every loaded block
+    or state) must change them."""
+    import torch
+
+    model = model.to(torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-    model.save_pretrained(out)
-    _save_tokenizer(out)
-    stamp.write_text("ok\n")
-    return out
+    return model
