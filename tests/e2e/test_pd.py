@@ -47,9 +47,9 @@ from tests.e2e.test_serve import (
     TEST_ARGS,
     Server,
     _free_ports,
-    _no_proxy_opener,
     _signal_group,
     metric_value,
+    wait_healthy,
 )
 
 pytestmark = pytest.mark.engine
@@ -128,23 +128,6 @@ def _env(**values: str):
                 os.environ[k] = v
 
 
-def _wait_ready(server: Server) -> None:
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            pytest.fail(f"{server.name} server exited ({server.proc.returncode}):\n"
-                        f"{server.log_tail()}")
-        try:
-            with _no_proxy_opener().open(f"{server.url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"{server.name} server not ready after {SERVER_START_S:.0f} s:\n"
-                f"{server.log_tail()}")
-
-
 def _start(server: Server, nixl_port: int | None = None) -> Server:
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_port)} if nixl_port else {}
     with _env(**env):
@@ -174,19 +157,8 @@ class Router:
                                          cwd=REPO, start_new_session=True)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + ROUTER_START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"vllm-router exited ({self.proc.returncode}):\n"
-                            f"{self.log_path.read_text(errors='replace')[-4000:]}")
-            try:
-                with _no_proxy_opener().open(f"{self.client.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        pytest.fail(f"vllm-router not ready:\n{self.log_path.read_text(errors='replace')}")
+        wait_healthy(self.client.url, self.proc, "vllm-router", ROUTER_START_S,
+                     lambda: self.log_path.read_text(errors="replace")[-4000:], interval_s=0.3)
 
     def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
         return self.client.complete(prompt, max_tokens=max_tokens)["token_ids"]
@@ -291,7 +263,7 @@ def pd(tiny_model_dir, tmp_path_factory):
         _start(servers["prefill"], ports[3])
         _start(servers["decode"], ports[4])
         for server in servers.values():
-            _wait_ready(server)
+            server.wait_ready(SERVER_START_S)
         # Negative control: a decode instance on other weights, same L3 keys;
         # it starts while the conversation runs (the others loaded theirs).
         _perturb_weights(model_dir)
@@ -305,7 +277,7 @@ def pd(tiny_model_dir, tmp_path_factory):
         out["prefill_metrics"] = servers["prefill"].metrics_text()
         out["decode_metrics"] = servers["decode"].metrics_text()
 
-        _wait_ready(servers["bad_decode"])
+        servers["bad_decode"].wait_ready(SERVER_START_S)
         routers.append(Router(servers["prefill"], servers["bad_decode"], tmp / "router2.log"))
         routers[1].wait_ready()
         out["bad_conv"] = _conversation(routers[1], servers["bad_decode"], 2, page_bytes)

@@ -98,6 +98,27 @@ def _no_proxy_opener():
     return urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, name: str, timeout_s: float,
+                 log_tail, interval_s: float = 0.5) -> None:
+    """Poll ``url``/health until it answers 200; fail the test (with
+    ``log_tail()``) if ``proc`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    opener = _no_proxy_opener()
+    for _ in range(int(timeout_s / interval_s) + 1):
+        if time.monotonic() > deadline:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"{name} exited ({proc.returncode}):\n{log_tail()}")
+        try:
+            with opener.open(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(interval_s)
+    pytest.fail(f"{name} not ready after {timeout_s:.0f} s:\n{log_tail()}")
+
+
 @dataclass
 class Server:
     name: str
@@ -123,24 +144,8 @@ class Server:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          cwd=REPO, start_new_session=True)
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        opener = _no_proxy_opener()
-        for _ in range(int(START_TIMEOUT_S / 0.5)):
-            if time.monotonic() > deadline:
-                break
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.name} server exited ({self.proc.returncode}):\n"
-                            f"{self.log_tail()}")
-            try:
-                with opener.open(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"{self.name} server not ready after {START_TIMEOUT_S:.0f} s:\n"
-                    f"{self.log_tail()}")
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        wait_healthy(self.url, self.proc, f"{self.name} server", timeout_s, self.log_tail)
 
     def stop(self) -> None:
         """SIGTERM the process group (API server, engine core, workers), then SIGKILL."""
