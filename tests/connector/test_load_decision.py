@@ -148,6 +148,22 @@ def _l3_backlog_harness(tiny_model_dir, max_backup_pages: int):
     return h, store
 
 
+def run_held(h) -> None:
+    """Step (backups held, async completions withheld) until no request runs."""
+    for _ in range(20):
+        h.step(complete_async=False)
+        if not h.scheduler.has_unfinished_requests():
+            break
+
+
+def run_idle(h) -> None:
+    """Step as vLLM does while the connector has work and no request runs."""
+    for _ in range(200):
+        if not h.scheduler.has_requests():
+            break
+        h.step()
+
+
 def test_backups_over_the_bound_are_deferred_then_caught_up_when_idle(tiny_model_dir):
     h, store = _l3_backlog_harness(tiny_model_dir, max_backup_pages=4)
     planner = h.sched_half.l3
@@ -161,10 +177,7 @@ def test_backups_over_the_bound_are_deferred_then_caught_up_when_idle(tiny_model
         # Nothing was in flight: one step's stores all go (6 pages > the bound).
         assert planner.backup_deferred == 0
         h.add("b", prompt(801, 6 * BLOCK + 1), max_tokens=1)
-        for _ in range(20):
-            h.step(complete_async=False)
-            if not h.scheduler.has_unfinished_requests():
-                break
+        run_held(h)
         h.step(complete_async=False)  # b's stores acknowledged
         # 6 pages in flight >= the bound: b's 6 blocks wait, unpinned.
         assert planner.backup_deferred == 6
@@ -173,10 +186,7 @@ def test_backups_over_the_bound_are_deferred_then_caught_up_when_idle(tiny_model
     finally:
         gate.set()
     # Idle: vLLM keeps stepping while the backlog is not empty.
-    for _ in range(200):
-        if not h.scheduler.has_requests():
-            break
-        h.step()
+    run_idle(h)
     assert planner.backlog.num_blocks == 0
     assert planner.backup_flushed == 6
     assert num_pages_stored(store) == 12
@@ -199,10 +209,7 @@ def test_full_backlog_drops_the_least_valuable_and_counts_it(tiny_model_dir):
     try:
         for i, name in enumerate("abc"):
             h.add(name, prompt(810 + i, 3 * BLOCK + 1), max_tokens=1)
-            for _ in range(20):
-                h.step(complete_async=False)
-                if not h.scheduler.has_unfinished_requests():
-                    break
+            run_held(h)
         # a went out (nothing in flight); b and c (3 blocks each) were
         # deferred into a backlog of 4 blocks: 2 dropped.
         assert planner.backup_deferred == 6
@@ -210,10 +217,7 @@ def test_full_backlog_drops_the_least_valuable_and_counts_it(tiny_model_dir):
         assert planner.backlog.num_blocks == 4
     finally:
         gate.set()
-    for _ in range(200):
-        if not h.scheduler.has_requests():
-            break
-        h.step()
+    run_idle(h)
     assert planner.backup_flushed == 4
     assert num_pages_stored(store) == 3 + 4
     assert_clean(h)
@@ -226,19 +230,13 @@ def test_deferred_backup_of_an_evicted_page_is_counted(tiny_model_dir):
     try:
         for i, name in enumerate("ab"):
             h.add(name, prompt(820 + i, 3 * BLOCK + 1), max_tokens=1)
-            for _ in range(20):
-                h.step(complete_async=False)
-                if not h.scheduler.has_unfinished_requests():
-                    break
+            run_held(h)
         h.step(complete_async=False)  # b's stores acknowledged: unpinned
         assert planner.backlog.num_blocks == 3
         assert h.sched_half.reset_cache()  # b's pages leave L2 (a's are pinned)
     finally:
         gate.set()
-    for _ in range(200):
-        if not h.scheduler.has_requests():
-            break
-        h.step()
+    run_idle(h)
     assert planner.backup_evicted == 3
     assert planner.backup_flushed == 0
     assert num_pages_stored(store) == 3
