@@ -20,7 +20,7 @@ position N-1 (the others are null), so only the last page's state loads.
 from __future__ import annotations
 
 from vllm_hicache.connector.geometry import KVGeometry
-from vllm_hicache.connector.metadata import BlockPage
+from vllm_hicache.connector.metadata import BlockCopy, BlockPage, merge_copies
 from vllm_hicache.connector.request_state import ReqState
 from vllm_hicache.connector.vllm_compat import l1_block_holds, null_block_id
 
@@ -41,22 +41,35 @@ class GroupBlocks:
         self.block_pool = block_pool
         self.null_block_id = null_block_id(block_pool)
 
-    def pairs(self, group_ids, start: int, pages) -> list[BlockPage]:
-        """The (block, page) pairs copying block positions ``start, start+1,
-        ...`` to or from ``pages``: one group's block ids, or for hybrid
-        models every group's block at each position as group block ids
+    @property
+    def hybrid(self) -> bool:
+        """More than one KV cache group: positions need the checks below."""
+        return self.geom.num_groups > 1
+
+    def pairs(self, group_ids, positions, pages) -> list[BlockPage]:
+        """The (block, page) pairs copying block positions ``positions`` to or
+        from ``pages`` (in step): one group's block ids, or for hybrid models
+        every group's block at each position as group block ids
         (geometry.group_block_id), except where a group holds the null block
         (nothing to copy)."""
         if len(group_ids) == 1:
             ids = group_ids[0]
-            return [BlockPage(ids[start + k], page) for k, page in enumerate(pages)]
+            return [BlockPage(ids[i], page) for i, page in zip(positions, pages)]
         pairs = []
         for group, ids in enumerate(group_ids):
-            for k, page in enumerate(pages):
-                block = ids[start + k]
+            for i, page in zip(positions, pages):
+                block = ids[i]
                 if block != self.null_block_id:
                     pairs.append(BlockPage(self.geom.group_block_id(group, block), page))
         return pairs
+
+    def load_copy(self, group_ids, start: int, pages) -> BlockCopy:
+        """The copy of a hit loading ``pages`` into block positions ``start,
+        start+1, ...``; one group's copy without building pairs (every
+        request's hit goes through here)."""
+        if len(group_ids) == 1:
+            return BlockCopy(tuple(group_ids[0][start:start + len(pages)]), tuple(pages))
+        return merge_copies(self.pairs(group_ids, range(start, start + len(pages)), pages))
 
     def first_intact_block(self, state: ReqState) -> int:
         """First block position whose KV every group still holds once this

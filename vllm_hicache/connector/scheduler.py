@@ -218,7 +218,7 @@ class HiCacheScheduler:
         kind = OpKind.ASYNC_LOAD if self.load_async else OpKind.LOAD
         rng = PinnedRange(tuple(hashes), tuple(range(start, end)), tuple(pages))
         op = self.ops.open(kind, self._step, [rng], req_id, block_ids)
-        job = LoadJob(req_id, merge_copies(self._groups.pairs(group_ids, start, pages)))
+        job = LoadJob(req_id, self._groups.load_copy(group_ids, start, pages))
         if self.load_async:
             self._step_async_loads.append(job)
             self._inflight.start(req_id, op, hashes[start:])
@@ -332,6 +332,7 @@ class HiCacheScheduler:
 
     def _store_range(self, state: ReqState, lo: int, hi: int,
                      done_tokens: int) -> list[BlockPage]:
+        hybrid = self._groups.hybrid
         if self._groups.sliding_windows:
             # A page is stored whole (every group's KV of its position) or not at all.
             lo = max(lo, self._groups.first_intact_block(state))
@@ -343,7 +344,7 @@ class HiCacheScheduler:
         want = [
             i for i in range(lo, hi)
             if (i >= len(matched) or matched[i] is None)
-            and self._groups.holds_every_group(state, i, done_tokens)
+            and (not hybrid or self._groups.holds_every_group(state, i, done_tokens))
             and self.write_policy.should_store(hashes[i])
         ]
         if not want:
@@ -358,10 +359,7 @@ class HiCacheScheduler:
         self._insert_pinned(OpKind.STORE, hashes[: want[-1] + 1], want, pages,
                             state.request.priority, state.request)
         self.stats.record_store(len(want))
-        pairs: list[BlockPage] = []
-        for i, page in zip(want, pages):
-            pairs += self._groups.pairs(state.group_block_ids, i, (page,))
-        return pairs
+        return self._groups.pairs(state.group_block_ids, want, pages)
 
     def _insert_pinned(self, kind: OpKind, chain, blocks: list[int], pages: list[int],
                        priority: int, request: Request | None = None) -> PageOp:
