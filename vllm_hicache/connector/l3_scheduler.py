@@ -198,7 +198,9 @@ class StoragePlanner:
 
     def forget(self, req_id: str) -> None:
         lookup = self._lookups.pop(req_id, None)
-        if lookup is not None:
+        # A declined lookup still runs: its hit is counted and may be probed
+        # (plan_prefetches), the only way a declined tier is measured again.
+        if lookup is not None and not lookup.nowait:
             lookup.future.cancel()  # no-op if it already runs
 
     # --- per step ------------------------------------------------------------
