@@ -97,7 +97,11 @@ class PageStore:
         self._scratch_bytes = self.codec.scratch_bytes(self.payload_bytes)
         self._zero_copy = pool.mem_layout != "layer_first" and self._per_page == 1
         if self._zero_copy:
-            backend.register_memory(_as_bytes(pool.buffer))
+            # Page p is bytes [p * page_bytes, (p + 1) * page_bytes) of the pool
+            # (page-major layouts): a numpy slice per object, not a tensor view.
+            self._pool_bytes = _as_bytes(pool.buffer)
+            assert self._pool_bytes.nbytes == pool.num_pages * pool.bytes_per_page
+            backend.register_memory(self._pool_bytes)
 
     @property
     def payload_bytes(self) -> int:
@@ -122,12 +126,7 @@ class PageStore:
         payloads = self._payloads(pages)
         stored: list[bool] = []
         for lo, hi in self._chunks(len(keys)):
-            scratch = self._scratch_buffers(hi - lo)
-            headers = [np.empty(HEADER_BYTES, np.uint8) for _ in range(lo, hi)]
-            bodies = self._each(hi - lo, lambda i, lo=lo, headers=headers, scratch=scratch:
-                                self.codec.seal(keys[lo + i], payloads[lo + i], headers[i],
-                                                scratch[i]))
-            stored += self.backend.put(keys[lo:hi], [list(hb) for hb in zip(headers, bodies)])
+            stored += self._write_chunk(keys[lo:hi], payloads[lo:hi])
         n = self._per_page
         return [all(stored[i:i + n]) for i in range(0, len(stored), n)]
 
@@ -154,6 +153,14 @@ class PageStore:
 
     def stats(self) -> dict[str, float]:
         return self._counts.snapshot()
+
+    def _write_chunk(self, keys: list[str], payloads: list[np.ndarray]) -> list[bool]:
+        """Seal and put one backend call's objects; per-object success."""
+        scratch = self._scratch_buffers(len(keys))
+        headers = [np.empty(HEADER_BYTES, np.uint8) for _ in keys]
+        bodies = self._each(len(keys), lambda i: self.codec.seal(
+            keys[i], payloads[i], headers[i], scratch[i]))
+        return self.backend.put(keys, [list(hb) for hb in zip(headers, bodies)])
 
     def _read_chunk(self, keys: list[str], payloads: list[np.ndarray]) -> int:
         """Read and open one backend call's objects; leading objects valid."""
@@ -211,17 +218,21 @@ class PageStore:
     def _payloads(self, pages: Sequence[int]) -> list[np.ndarray]:
         """One buffer per object, page after page."""
         if self._zero_copy:
-            return [_as_bytes(self.pool.page_run(p)) for p in pages]
+            return self._page_views(pages)
         if self._per_page > 1:
             return [_as_bytes(view) for p in pages for view in self._slices(p)]
         staged = self.pool.read_pages(list(pages))
         return [_as_bytes(staged[i]) for i in range(len(pages))]
 
+    def _page_views(self, pages: Sequence[int]) -> list[np.ndarray]:
+        size, whole = self.pool.bytes_per_page, self._pool_bytes
+        return [whole[p * size:(p + 1) * size] for p in pages]
+
     def _read_targets(self, pages: Sequence[int]) -> list[np.ndarray]:
         if self._zero_copy:
             # Zero copy means a failed read may leave garbage in the page;
             # harmless: the page is not indexed unless the read verified.
-            return [_as_bytes(self.pool.page_run(p)) for p in pages]
+            return self._page_views(pages)
         return [np.empty(self.payload_bytes, np.uint8)
                 for _ in range(len(pages) * self._per_page)]
 
