@@ -12,10 +12,18 @@ it a Mamba group (one recurrent state per request) and an attention group.
 float32 too. Its Mamba state is kept small so that vLLM's page alignment
 (attention block size raised until an attention page holds a Mamba state)
 gives a short hybrid block.
+
+``build_tiny_qwen3_next``: a Qwen3-Next-like model, one Gated DeltaNet
+(linear attention) layer and one full-attention layer, each with a sparse
+MoE block of two small experts (vLLM's Qwen3-Next needs one). bfloat16, the
+only dtype vLLM's CPU GDN kernel runs. Its GDN state is one head of the
+smallest size that kernel takes, and the attention layer is wide enough per
+token that a 32-token page holds that state.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -24,6 +32,14 @@ from tiny_model import build_once
 # Tokens one sliding-window layer attends to: two 32-token blocks, so prompts
 # of a few hundred tokens leave most of their sliding-window blocks behind.
 GEMMA3_SLIDING_WINDOW = 64
+
+# Qwen3-Next's GDN state: one 64x64 float32 head (16 KiB) plus a 1.1 KiB
+# conv state; 64 is the smallest head dim the CPU GDN kernel takes (32 and 96
+# fail: "Unexpected head dim size"). The full-attention layer keeps 1 KiB of
+# bfloat16 K and V per token, so a 32-token page (32 KiB) holds that state and
+# vLLM keeps 32-token blocks (with 512 B per token it raises them to 64).
+QWEN3_NEXT_LINEAR_HEAD_DIM = 64
+QWEN3_NEXT_HEAD_DIM = 256
 
 
 def build_tiny_gemma3(out_dir: str | os.PathLike, *, num_layers: int = 4,
@@ -65,6 +81,40 @@ def build_tiny_granite_hybrid(out_dir: str | os.PathLike, *, num_layers: int = 4
             torch_dtype="float32", bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )
         return _widened(GraniteMoeHybridForCausalLM(config))
+
+    return build_once(out_dir, seed, make_model)
+
+
+def build_tiny_qwen3_next(out_dir: str | os.PathLike, *, seed: int = 0) -> Path:
+    """Write the model to ``out_dir`` once; return its path. bfloat16: vLLM's
+    CPU GDN kernel refuses float32 ("CPU GDN attention requires BF16")."""
+
+    def make_model():
+        import torch
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        config = Qwen3NextConfig(
+            vocab_size=512, hidden_size=64, num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            # vLLM's Qwen3-Next needs a sparse MoE block; two small experts.
+            num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64, mlp_only_layers=[], decoder_sparse_step=1,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=QWEN3_NEXT_HEAD_DIM,
+            linear_num_key_heads=1, linear_num_value_heads=1, linear_conv_kernel_dim=4,
+            linear_key_head_dim=QWEN3_NEXT_LINEAR_HEAD_DIM,
+            linear_value_head_dim=QWEN3_NEXT_LINEAR_HEAD_DIM,
+            max_position_embeddings=2048, torch_dtype="bfloat16",
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        model = _widened(Qwen3NextForCausalLM(config))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if hasattr(layer, "linear_attn"):
+                    # Slow decay (about 6% per token; the default init draws
+                    # up to 16x), so a restored state still shapes the
+                    # tokens after it.
+                    layer.linear_attn.A_log.fill_(math.log(0.05))
+        return model.to(torch.bfloat16)
 
     return build_once(out_dir, seed, make_model)
 
