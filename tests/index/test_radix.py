@@ -46,6 +46,15 @@ def test_host_run_stops_at_placeholders_and_end() -> None:
     assert result.num_blocks == 6
 
 
+def test_missing_lists_placeholders_then_blocks_past_the_match() -> None:
+    result = MatchResult([None, 7, None, 8])
+    assert result.missing(0, 6) == [0, 2, 4, 5]
+    assert result.missing(1, 3) == [2]
+    assert result.missing(3, 4) == []
+    assert result.missing(5, 7) == [5, 6]
+    assert result.missing(2, 2) == []
+
+
 def test_insert_divergence_splits_and_returns_existing_pages(kit) -> None:
     a = kit.put(kit.chain([1, 2, 3, 4]))
     b_hashes = kit.chain([1, 2, 7, 8])

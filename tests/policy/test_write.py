@@ -39,3 +39,15 @@ def test_hit_counter_is_bounded_lru():
     assert len(counter) == 2
     assert counter.count(b"b") == 0
     assert counter.count(b"a") == 2
+
+
+@pytest.mark.parametrize("name", ["write_through", "write_through_selective", "write_back"])
+def test_select_agrees_with_should_store(name):
+    policy = WritePolicy(name, 8)
+    hashes = [b"a", b"b", b"c", b"d"]
+    policy.record_use(hashes[:3])
+    policy.record_use(hashes[1:2])
+    expected = [i for i in (0, 1, 3) if policy.should_store(hashes[i])]
+    assert policy.select(hashes, [0, 1, 3]) == expected
+    assert expected == {"write_through": [0, 1, 3], "write_through_selective": [1],
+                        "write_back": []}[name]

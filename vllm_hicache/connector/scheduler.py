@@ -28,7 +28,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.access_log import open_access_log
@@ -72,6 +72,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _RECENT_HITS = 4096
+
+
+class _LookedUp(NamedTuple):
+    """A request's last lookup: vLLM's own hit, and the L2 pages after it."""
+
+    num_computed_tokens: int
+    pages: list[int]
 # Warnings about rejected kv_transfer_params, at most one per this many seconds.
 _PARAM_WARN_INTERVAL_S = 60.0
 # An idle engine keeps stepping for pending L3/async work at most this long
@@ -116,7 +123,8 @@ class HiCacheScheduler:
         # Tokens loaded from L2 for recent requests (bounded), for reports.
         self.recent_hit_tokens: OrderedDict[str, int] = OrderedDict()
         self._reqs: dict[str, ReqState] = {}
-        self._local_hit_tokens: dict[str, int] = {}
+        # What get_num_new_matched_tokens found, for update_state_after_alloc.
+        self._looked_up: dict[str, _LookedUp] = {}
         self.ops = PageOps(self.tree)
         # The step being scheduled; build_connector_meta ends it.
         self._step = 0
@@ -161,10 +169,10 @@ class HiCacheScheduler:
             return 0, False
         if self.l3 is not None and self.l3.must_wait(request.request_id):
             return None, False  # per the prefetch policy: ask again later
+        pages = self._hit_pages(request, num_computed_tokens)
         # For update_state_after_alloc, which vLLM calls right after the call
         # that lets the request in (the last call wins).
-        self._local_hit_tokens[request.request_id] = num_computed_tokens
-        pages = self._hit_pages(request, num_computed_tokens)
+        self._looked_up[request.request_id] = _LookedUp(num_computed_tokens, pages)
         controls = self._controls.get(request.request_id)
         if controls is not None and pages:
             cap = controls.load_block_cap(self.block_size) if controls.loads_l2 else 0
@@ -193,9 +201,10 @@ class HiCacheScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
-        local = self._local_hit_tokens.pop(req_id, None)
-        if local is None:
+        looked_up = self._looked_up.pop(req_id, None)
+        if looked_up is None:
             return  # vLLM's second call for an async load: nothing new
+        local = looked_up.num_computed_tokens
         start, num_blocks = local // self.block_size, num_external_tokens // self.block_size
         end = start + num_blocks
         declined = self._declined.pop(req_id, 0) if num_blocks == 0 else 0
@@ -209,7 +218,7 @@ class HiCacheScheduler:
         self.access_log.admit(request, local, num_external_tokens, self.l3, self._step)
         if num_blocks == 0:
             return
-        pages = self._hit_pages(request, local)[:num_blocks]
+        pages = looked_up.pages[:num_blocks]
         # No eviction can run between the lookup and here (see module doc).
         assert len(pages) == num_blocks, (req_id, len(pages), num_blocks)
         hashes = request.block_hashes[:end]
@@ -340,16 +349,14 @@ class HiCacheScheduler:
                 return []
         hashes = state.request.block_hashes[:hi]
         self.write_policy.record_use(hashes[lo:hi])
-        matched = self.tree.match(hashes).pages
-        want = [
-            i for i in range(lo, hi)
-            if (i >= len(matched) or matched[i] is None)
-            and (not hybrid or self._groups.holds_every_group(state, i, done_tokens))
-            and self.write_policy.should_store(hashes[i])
-        ]
+        match = self.tree.match(hashes)
+        want = match.missing(lo, hi)
+        if hybrid:
+            want = [i for i in want if self._groups.holds_every_group(state, i, done_tokens)]
+        want = self.write_policy.select(hashes, want)
         if not want:
             return []
-        pages = self._alloc_protecting(hashes, len(matched), len(want), partial=True)
+        pages = self._alloc_protecting(hashes, match.num_blocks, len(want), partial=True)
         if len(pages) < len(want):
             # Every other page is pinned: store the leading blocks we can.
             self.stats.record_store_skipped(len(want) - len(pages))
@@ -499,7 +506,7 @@ class HiCacheScheduler:
         # vLLM itself delays freeing the blocks of such a request.
         req_id = request.request_id
         self._reqs.pop(req_id, None)
-        self._local_hit_tokens.pop(req_id, None)
+        self._looked_up.pop(req_id, None)
         self._declined.pop(req_id, None)
         self._controls.pop(req_id, None)
         self._hit_tiers.pop(req_id, None)

@@ -124,6 +124,14 @@ class MatchResult(NamedTuple):
     def num_blocks(self) -> int:
         return len(self.pages)
 
+    def missing(self, lo: int, hi: int) -> list[int]:
+        """Blocks in [lo, hi) without an L2 page: placeholders inside the
+        match, then every block past it."""
+        pages = self.pages
+        absent = [i for i in range(lo, min(hi, len(pages))) if pages[i] is None]
+        absent.extend(range(max(lo, len(pages)), hi))
+        return absent
+
     def host_run(self, start_block: int) -> list[int]:
         """Consecutive host pages beginning at ``start_block`` (may be empty)."""
         pages = self.pages

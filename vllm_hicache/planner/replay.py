@@ -270,12 +270,11 @@ class Hierarchy:
         if not self.write.stores_on_compute or lo >= len(chain):
             return []
         self.write.record_use(chain[lo:])
-        matched = self.tree.match(chain).pages
-        want = [i for i in range(lo, len(chain))
-                if (i >= len(matched) or matched[i] is None) and self.write.should_store(chain[i])]
+        match = self.tree.match(chain)
+        want = self.write.select(chain, match.missing(lo, len(chain)))
         if not want:
             return []
-        pages = self._alloc(chain, len(matched), len(want), partial=True)
+        pages = self._alloc(chain, match.num_blocks, len(want), partial=True)
         want = want[: len(pages)]
         if not want:
             return []

@@ -13,7 +13,7 @@ cannot grow it without limit. Pure module: no torch, no vllm.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -47,7 +47,7 @@ class WritePolicy:
     """Decides, per computed block, whether to store it now.
 
     The scheduler half calls ``record_use`` once per request for the blocks it
-    uses, and ``should_store`` for each newly computed full block.
+    uses, and ``should_store`` (or ``select``) for newly computed full blocks.
     """
 
     def __init__(self, name: str, counter_capacity: int) -> None:
@@ -71,6 +71,14 @@ class WritePolicy:
         if self._counter is None:
             return self.stores_on_compute
         return self._counter.count(block_hash) >= self.threshold
+
+    def select(self, hashes: Sequence[bytes], positions: list[int]) -> list[int]:
+        """The ``positions`` (indices into ``hashes``) to store now: every
+        block's ``should_store`` at once (write_through: no per-block call)."""
+        if self._counter is None:
+            return positions if self.stores_on_compute else []
+        count, threshold = self._counter.count, self.threshold
+        return [i for i in positions if count(hashes[i]) >= threshold]
 
     def clear(self) -> None:
         if self._counter is not None:
