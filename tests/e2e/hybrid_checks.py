@@ -1,5 +1,6 @@
 """Checks shared by the hybrid-model engine tests (test_hybrid_engine.py:
-sliding window + full; test_hybrid_mamba.py: Mamba2 + full).
+sliding window + full; test_hybrid_mamba.py: Mamba2 + full;
+test_hybrid_qwen3next.py: Gated DeltaNet + full).
 
 Each module runs one reference engine (no connector) and one HiCache engine
 (L2, and L3 in files) on its model, over prompt sets named in its ``SETS``
