@@ -51,7 +51,7 @@ class TreeKit:
         return given
 
     def num_nodes(self) -> int:
-        stack, count = [self.tree._root], -1
+        stack, count = [self.tree.root_view()], -1
         while stack:
             node = stack.pop()
             count += 1

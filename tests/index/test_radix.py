@@ -29,7 +29,7 @@ def test_match_full_partial_and_longer(kit) -> None:
 
 def test_match_has_no_side_effects(kit) -> None:
     kit.put(kit.chain([1, 2, 3, 4]))
-    node = kit.tree._root.children[kit.chain([1])[0]]
+    node = kit.tree.root_view().children[kit.chain([1])[0]]
     kit.clock.now = 5.0
     kit.tree.match(kit.chain([1, 2, 9]))
     assert kit.num_nodes() == 1  # a diverging match does not split
@@ -237,7 +237,7 @@ def test_evict_returns_what_it_freed(kit) -> None:
 def test_insert_and_touch_update_stats(kit) -> None:
     hashes = kit.chain([1, 2])
     kit.put(hashes)
-    node = kit.tree._root.children[hashes[0]]
+    node = kit.tree.root_view().children[hashes[0]]
     assert (node.creation_time, node.hit_count, node.priority) == (0.0, 0, 0)
     kit.clock.now = 3.0
     kit.tree.touch(hashes, 1, priority=5)
@@ -252,7 +252,7 @@ def test_reinsert_counts_a_hit_and_fill_resets_creation(kit) -> None:
     kit.put(hashes, [False, True, True])
     kit.clock.now = 4.0
     kit.put(hashes[:1] + hashes[1:2], [True, False])  # fills block 0, re-hits block 1
-    tail = kit.tree._root.children[hashes[0]].children[hashes[1]]
+    tail = kit.tree.root_view().children[hashes[0]].children[hashes[1]]
     head = tail.parent
     assert (head.creation_time, head.hit_count) == (4.0, 0)
     assert (tail.creation_time, tail.last_access_time, tail.hit_count) == (0.0, 4.0, 1)

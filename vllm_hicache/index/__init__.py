@@ -1,6 +1,6 @@
 """L2 index: HiRadixTree, the metadata of host-pool pages. Pure Python."""
 
-from vllm_hicache.index.node import LockHandle, MatchResult, PinnedPages, RadixNode
+from vllm_hicache.index.node import LockHandle, MatchResult, NodeRef, NodeView, PinnedPages
 from vllm_hicache.index.radix import HiRadixTree
 
-__all__ = ["HiRadixTree", "LockHandle", "MatchResult", "PinnedPages", "RadixNode"]
+__all__ = ["HiRadixTree", "LockHandle", "MatchResult", "NodeRef", "NodeView", "PinnedPages"]

@@ -2,9 +2,10 @@
 
 Keys are vLLM block hashes, chained: the hash of block i names the whole
 prefix 0..i. A request is its list of block hashes, block 0 first. The tree
-is compressed: a node holds a run of blocks (see node.py), children are keyed
-by the first hash of their run, and a node is either all host-backed or all
-placeholder. Invariants (checked by ``check_integrity``):
+is compressed: a node holds a run of blocks (see node.py: nodes are ids into
+flat arrays), a child is found by (parent, first hash of its run) in one
+table for the whole tree (child_index.py), and a node is either all
+host-backed or all placeholder. Invariants (checked by ``check_integrity``):
 
 - every page is in exactly one place: free, allocated-not-inserted, or a node;
 - placeholders exist only on the path to host-backed nodes: one that loses its
@@ -14,7 +15,9 @@ placeholder. Invariants (checked by ``check_integrity``):
 - eviction is leaf-first, so a prefix never leaves before its extensions;
 - an invalidated subtree is unreachable at once; while pinned it survives
   as an orphan (its pages neither free nor matchable), freed by the unlock
-  that releases its last pin.
+  that releases its last pin;
+- a node is in the child index exactly while it is reachable, and its slot
+  is released only once it is unreachable and unpinned.
 
 The order in which leaves are evicted is kept by ``EvictionQueue``
 (eviction_queue.py); pages move between the free stack (free_pages.py) and
@@ -27,10 +30,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from vllm_hicache.index.child_index import ChildIndex
 from vllm_hicache.index.eviction_queue import EvictionQueue
 from vllm_hicache.index.free_pages import FreePages
 from vllm_hicache.index.integrity import check_index
-from vllm_hicache.index.node import LockHandle, MatchResult, PinnedPages, RadixNode, page_run
+from vllm_hicache.index.node import (
+    IN_RUN,
+    NO_NODE,
+    PLACEHOLDER,
+    ROOT,
+    LockHandle,
+    MatchResult,
+    NodeRef,
+    NodeStore,
+    NodeView,
+    PinnedPages,
+    page_run,
+)
 from vllm_hicache.policy.eviction import EvictionPolicy
 
 
@@ -46,15 +62,6 @@ def _common_len(key: list[bytes], hashes: Sequence[bytes], start: int, stop: int
     while j < limit and key[j] == hashes[start + j]:
         j += 1
     return j
-
-
-def _subtree_pages(top: RadixNode) -> int:
-    num_pages, stack = 0, [top]
-    while stack:
-        node = stack.pop()
-        num_pages += len(node.pages or ())
-        stack.extend(node.children.values())
-    return num_pages
 
 
 def _same_kind_run(pages: Sequence[int | None], start: int, stop: int) -> int:
@@ -89,13 +96,14 @@ class HiRadixTree:
         self._clock = clock
         self._on_evict = on_evict
         self._free = FreePages(num_pages)
-        # The root is host-backed with no blocks, so it never looks like a
-        # placeholder; it is never locked, evicted or queued for eviction.
-        self._root = RadixNode(None, [], page_run(()), clock())
+        # The root (node 0) is host-backed with no blocks, so it never looks
+        # like a placeholder; it is never locked, evicted or queued.
+        self._nodes = NodeStore(clock())
+        self._index = ChildIndex(self._nodes)
         # Host-backed non-root leaves, in the order they are evicted.
-        self._queue = EvictionQueue(policy)
+        self._queue = EvictionQueue(policy, self._nodes)
         # Tops of subtrees cut off by ``invalidate`` while pinned (see node.py).
-        self._orphans: set[RadixNode] = set()
+        self._orphans: set[int] = set()
         self._num_cached_pages = 0
         self._num_locked_pages = 0
 
@@ -103,34 +111,51 @@ class HiRadixTree:
 
     def match(self, hashes: Sequence[bytes]) -> MatchResult:
         """Pages of the longest prefix of ``hashes`` in the tree. No mutation."""
+        find = self._index.find
+        store = self._nodes
+        keys, page_of = store.key, store.page
         pages: list[int | None] = []
-        node, i, n = self._root, 0, len(hashes)
+        node, i, n = ROOT, 0, len(hashes)
         while i < n:
-            node = node.children.get(hashes[i])  # type: ignore[assignment]
-            if node is None:
+            node = find(node, hashes[i])
+            if node == NO_NODE:
                 break
-            j = _common_len(node.key, hashes, i, n)
-            if node.pages is None:
+            key = keys[node]
+            if type(key) is not list:  # one block
+                page = page_of[node]
+                pages.append(None if page == PLACEHOLDER else page)
+                i += 1
+                continue
+            j = _common_len(key, hashes, i, n)
+            if page_of[node] == PLACEHOLDER:
                 pages.extend([None] * j)
             else:
-                pages.extend(node.pages if j == len(node.key) else node.pages[:j])
-            if j < len(node.key):
+                run = store.runs[node]
+                pages.extend(run if j == len(key) else run[:j])
+            if j < len(key):
                 break
             i += j
         return MatchResult(pages)
 
-    def _path(self, hashes: Sequence[bytes], num_blocks: int) -> tuple[list[RadixNode], int]:
+    def _path(self, hashes: Sequence[bytes], num_blocks: int) -> tuple[list[int], int]:
         """Nodes (root excluded) covering blocks [0, num_blocks) and how many they cover."""
-        nodes: list[RadixNode] = []
-        node, i = self._root, 0
+        find = self._index.find
+        keys = self._nodes.key
+        nodes: list[int] = []
+        node, i = ROOT, 0
         while i < num_blocks:
-            child = node.children.get(hashes[i])
-            if child is None:
+            child = find(node, hashes[i])
+            if child == NO_NODE:
                 break
-            j = _common_len(child.key, hashes, i, len(hashes))
             nodes.append(child)
+            key = keys[child]
+            if type(key) is not list:
+                i += 1
+                node = child
+                continue
+            j = _common_len(key, hashes, i, len(hashes))
             i += j
-            if j < len(child.key):
+            if j < len(key):
                 break
             node = child
         return nodes, min(i, num_blocks)
@@ -142,11 +167,13 @@ class HiRadixTree:
         """
         nodes, _ = self._path(hashes, min(num_blocks, len(hashes)))
         now = self._clock()
+        store = self._nodes
+        last, hits, prio = store.last_access_time, store.hit_count, store.priority
         for node in nodes:
-            node.last_access_time = now
-            node.hit_count += 1
-            if priority > node.priority:
-                node.priority = priority
+            last[node] = now
+            hits[node] += 1
+            if priority > prio[node]:
+                prio[node] = priority
         if nodes and self.policy.keyed_by_use:
             self._queue.offer(nodes[-1])  # only a leaf's key matters, and only the last can be one
 
@@ -165,11 +192,13 @@ class HiRadixTree:
             raise ValueError(
                 f"cannot lock {num_blocks} blocks: the tree holds only {covered} of this chain"
             )
+        store = self._nodes
+        lock_ref = store.lock_ref
         for node in nodes:
-            if node.lock_ref == 0 and node.pages is not None:
-                self._num_locked_pages += len(node.pages)
-            node.lock_ref += 1
-        return LockHandle(nodes[-1] if nodes else self._root, num_blocks)
+            if lock_ref[node] == 0:
+                self._num_locked_pages += store.num_pages(node)
+            lock_ref[node] += 1
+        return LockHandle(nodes[-1] if nodes else ROOT, num_blocks)
 
     def unlock(self, handle: LockHandle) -> None:
         """Release one ``lock``. A second unlock of the same handle raises.
@@ -180,27 +209,29 @@ class HiRadixTree:
         if not handle._active:
             raise RuntimeError(f"lock handle for {handle.num_blocks} blocks already unlocked")
         handle._active = False
+        store = self._nodes
+        lock_ref = store.lock_ref
         node = handle._node
         # One walk can free several orphans: one cut below another on the
         # same chain still hangs from a node inside the upper one.
-        released_orphans: list[RadixNode] = []
-        prune: RadixNode | None = None
-        while node is not self._root:
-            node.lock_ref -= 1
-            assert node.lock_ref >= 0, node
-            if node.lock_ref == 0:
-                if node.pages is not None:
-                    self._num_locked_pages -= len(node.pages)
+        released_orphans: list[int] = []
+        prune = NO_NODE
+        while node != ROOT:
+            lock_ref[node] -= 1
+            assert lock_ref[node] >= 0, store.describe(node)
+            if lock_ref[node] == 0:
+                self._num_locked_pages -= store.num_pages(node)
                 self._queue.offer(node)  # an unpinned leaf is a candidate again
                 if node in self._orphans:
                     released_orphans.append(node)
-                elif (prune is None and not node.orphaned and node.pages is None
-                      and not node.children):
+                elif (prune == NO_NODE and not store.orphaned[node]
+                      and store.page[node] == PLACEHOLDER
+                      and store.first_child[node] == NO_NODE):
                     prune = node
-            node = node.parent  # type: ignore[assignment]
+            node = store.parent[node]
         for orphan in released_orphans:
             self._free_orphan(orphan)
-        if prune is not None:
+        if prune != NO_NODE:
             self._detach(prune)
 
     def invalidate(self, hashes: Sequence[bytes], block: int) -> int:
@@ -214,72 +245,84 @@ class HiRadixTree:
         nodes, covered = self._path(hashes, block + 1)
         if covered <= block:
             return 0
+        store = self._nodes
         node = nodes[-1]
-        offset = block - sum(len(n.key) for n in nodes[:-1])
+        offset = block - sum(store.num_blocks(n) for n in nodes[:-1])
         if offset > 0:
-            node.split(offset)  # ``node`` keeps the tail that starts at ``block``
-        parent = node.parent
-        assert parent is not None
-        del parent.children[node.key[0]]  # type: ignore[attr-defined]
-        num_pages = _subtree_pages(node)
-        self._orphan(node)  # keeps node.parent while pinned: unlock walks through it
-        if parent is not self._root and not parent.children:
-            if parent.pages is not None:
+            self._split(node, offset)  # ``node`` keeps the tail that starts at ``block``
+        parent = store.parent[node]
+        self._unlink(node)  # keeps its parent link while pinned: unlock walks through it
+        subtree = store.subtree(node)
+        num_pages = sum(store.num_pages(n) for n in subtree)
+        self._orphan(node, subtree)
+        if parent != ROOT and store.first_child[parent] == NO_NODE:
+            if store.page[parent] != PLACEHOLDER:
                 self._queue.add(parent)
-            elif parent.lock_ref == 0:
+            elif store.lock_ref[parent] == 0:
                 self._detach(parent)
         return num_pages
 
     def pinned_pages(self) -> PinnedPages:
         """Pages of pinned nodes, indexed or orphaned. O(tree size): checks only."""
+        store = self._nodes
         indexed: set[int] = set()
         orphaned: set[int] = set()
-        stack = [*self._root.children.values(), *self._orphans]
-        while stack:
-            node = stack.pop()
-            if node.lock_ref and node.pages is not None:
-                (orphaned if node.orphaned else indexed).update(node.pages)
-            stack.extend(node.children.values())
+        for top in [*store.children(ROOT), *self._orphans]:
+            for node in store.subtree(top):
+                pages = store.pages(node)
+                if store.lock_ref[node] and pages is not None:
+                    (orphaned if store.orphaned[node] else indexed).update(pages)
         return PinnedPages(frozenset(indexed), frozenset(orphaned))
 
     # --- walks (an L3 attached at run time backs up what L2 holds) -------
 
-    def hot_nodes(self) -> list[RadixNode]:
+    def hot_nodes(self) -> list[NodeRef]:
         """Host-backed nodes, hottest first: by the latest use of the node or
         of anything below it (a prefix is as hot as its hottest extension),
         shallower first on ties, so a chain's prefix precedes its extensions.
         A snapshot, O(n log n); ``node_chain`` says what each still holds."""
-        visited: list[tuple[RadixNode, int]] = []
-        stack = [(child, 1) for child in self._root.children.values()]
+        store = self._nodes
+        last, serial = store.last_access_time, store.serial
+        visited: list[tuple[int, int]] = []
+        stack = [(child, 1) for child in store.children(ROOT)]
         while stack:
             node, depth = stack.pop()
             visited.append((node, depth))
-            stack.extend((child, depth + 1) for child in node.children.values())
+            stack.extend((child, depth + 1) for child in store.children(node))
         heat: dict[int, float] = {}
         for node, _ in reversed(visited):  # every child before its parent
-            heat[node.id] = max([node.last_access_time,
-                                 *(heat[child.id] for child in node.children.values())])
-        ranked = sorted((item for item in visited if item[0].pages is not None),
-                        key=lambda item: (-heat[item[0].id], item[1], item[0].id))
-        return [node for node, _ in ranked]
+            heat[node] = max([last[node], *(heat[c] for c in store.children(node))])
+        ranked = sorted((item for item in visited if store.is_host(item[0])),
+                        key=lambda item: (-heat[item[0]], item[1], serial[item[0]]))
+        return [NodeRef(node, serial[node]) for node, _ in ranked]
 
-    def node_chain(self, node: RadixNode) -> tuple[list[bytes], list[int | None]] | None:
-        """The hashes of blocks 0 .. ``node``'s last block, and the page of
-        each (None: placeholder); None if ``node`` has left the index
+    def node_chain(self, ref: NodeRef) -> tuple[list[bytes], list[int | None]] | None:
+        """The hashes of blocks 0 .. ``ref``'s last block, and the page of
+        each (None: placeholder); None if the node has left the index
         (evicted, invalidated, cleared) since it was handed out."""
-        path: list[RadixNode] = []
-        while node is not self._root:
-            parent = node.parent
-            if parent is None or node.orphaned or parent.children.get(node.key[0]) is not node:
+        store = self._nodes
+        node = ref.node
+        if not store.is_live(node) or store.serial[node] != ref.serial:
+            return None
+        path: list[int] = []
+        while node != ROOT:
+            if store.orphaned[node]:
                 return None
             path.append(node)
-            node = parent
+            node = store.parent[node]
         chain: list[bytes] = []
         pages: list[int | None] = []
         for step in reversed(path):
-            chain.extend(step.key)
-            pages.extend(step.pages if step.pages is not None else [None] * len(step.key))
+            blocks = store.blocks(step)
+            chain.extend(blocks)
+            run = store.pages(step)
+            pages.extend(run if run is not None else [None] * len(blocks))
         return chain, pages
+
+    def root_view(self) -> NodeView:
+        """Read-only view of the root and, through it, every reachable node
+        (tests and debugging)."""
+        return NodeView(self._nodes, ROOT)
 
     # --- insert ---------------------------------------------------------
 
@@ -299,29 +342,39 @@ class HiRadixTree:
             raise ValueError(f"{num_blocks} pages for a chain of {len(hashes)} blocks")
         self._check_insertable(pages)
         now = self._clock()
+        find = self._index.find
+        store = self._nodes
+        keys, page_of = store.key, store.page
         unused: list[int] = []
-        node, i = self._root, 0
+        node, i = ROOT, 0
         while i < num_blocks:
-            child = node.children.get(hashes[i])
-            if child is None:
+            child = find(node, hashes[i])
+            if child == NO_NODE:
                 self._add_chain(node, hashes, pages, i, now, priority)
                 return unused  # it offered the leaf it made or grew
-            m = _common_len(child.key, hashes, i, num_blocks)
-            if child.pages is None:
+            key = keys[child]
+            if type(key) is list:
+                length = len(key)
+                m = _common_len(key, hashes, i, num_blocks)
+            else:
+                length = m = 1
+            placeholder = page_of[child] == PLACEHOLDER
+            if placeholder:
                 m = _same_kind_run(pages, i, i + m)
-            if m < len(child.key):
-                child = child.split(m)
-            if child.pages is not None:
+            if m < length:
+                child = self._split(child, m)
+            if not placeholder:
                 given = pages[i : i + m]
                 # count() runs in C: a long matched prefix with no pages
                 # given (the usual store) costs no Python loop.
                 if given.count(None) != m:
                     unused.extend(p for p in given if p is not None)
-                child.hit_count += 1
+                store.hit_count[child] += 1
             elif pages[i] is not None:
                 self._fill(child, pages[i : i + m], now)
-            child.last_access_time = now
-            child.priority = max(child.priority, priority)
+            store.last_access_time[child] = now
+            if priority > store.priority[child]:
+                store.priority[child] = priority
             node, i = child, i + m
         self._queue.offer(node)  # the deepest node walked: the only one that can be a leaf
         return unused
@@ -340,7 +393,7 @@ class HiRadixTree:
 
     def _add_chain(
         self,
-        parent: RadixNode,
+        parent: int,
         hashes: Sequence[bytes],
         pages: Sequence[int | None],
         start: int,
@@ -353,6 +406,7 @@ class HiRadixTree:
         piece (chunked prefill, one block per decode step) stays one node, so
         later walks cost one step per branch point, not one per piece.
         """
+        store = self._nodes
         stop = len(pages)
         while stop > start and pages[stop - 1] is None:
             stop -= 1
@@ -360,8 +414,8 @@ class HiRadixTree:
             self._queue.offer(parent)  # walked through: its statistics changed
             return
         node, i = parent, start
-        if parent is not self._root and parent.pages is not None and not parent.children \
-                and pages[start] is not None:
+        if parent != ROOT and store.page[parent] != PLACEHOLDER \
+                and store.first_child[parent] == NO_NODE and pages[start] is not None:
             i += self._extend_leaf(parent, hashes, pages, start, stop)
             if i == stop:
                 self._queue.offer(parent)  # still a leaf, with new pages and statistics
@@ -374,26 +428,68 @@ class HiRadixTree:
                 run = page_run(pages[i : i + m])  # type: ignore[arg-type]
                 self._free.claim(run)
                 self._num_cached_pages += m
-            child = RadixNode(node, list(hashes[i : i + m]), run, now, priority)
-            node.adopt(child)
+            child = store.new(node, list(hashes[i : i + m]), run, now, priority)
+            self._link(node, child)
             node, i = child, i + m
         self._queue.add(node)
 
-    def _extend_leaf(self, leaf: RadixNode, hashes: Sequence[bytes],
+    def _extend_leaf(self, leaf: int, hashes: Sequence[bytes],
                      pages: Sequence[int | None], start: int, stop: int) -> int:
         """Append the host-backed run at ``start`` to ``leaf``; return its length.
 
         A pin on the leaf covers the new pages too (pins hold whole nodes).
         """
+        store = self._nodes
         m = _same_kind_run(pages, start, stop)
         run: list[int] = list(pages[start : start + m])  # type: ignore[arg-type]
         self._free.claim(run)
-        leaf.key.extend(hashes[start : start + m])
-        leaf.pages.extend(run)  # type: ignore[union-attr]
+        if store.page[leaf] == IN_RUN:  # already a run: grow it in place
+            store.key[leaf].extend(hashes[start : start + m])  # type: ignore[union-attr]
+            store.runs[leaf].extend(run)
+        else:
+            key = [store.key[leaf], *hashes[start : start + m]]
+            store.set_run(leaf, key, page_run([store.page[leaf], *run]))  # type: ignore[list-item]
         self._num_cached_pages += m
-        if leaf.lock_ref:
+        if store.lock_ref[leaf]:
             self._num_locked_pages += m
         return m
+
+    def _split(self, node: int, num_blocks: int) -> int:
+        """Cut the first ``num_blocks`` blocks of ``node`` off into a new
+        parent; return it.
+
+        ``node`` keeps the tail, so a LockHandle pointing at it still reaches
+        the new head when it walks up. The head copies every stat, lock_ref
+        included: each lock through ``node`` also covered the head.
+        """
+        store = self._nodes
+        key, pages = store.blocks(node), store.pages(node)
+        assert 0 < num_blocks < len(key), (num_blocks, len(key))
+        parent = store.parent[node]
+        self._unlink(node)
+        head = store.new(parent, key[:num_blocks],
+                         None if pages is None else pages[:num_blocks],
+                         store.creation_time[node], store.priority[node])
+        store.lock_ref[head] = store.lock_ref[node]
+        store.hit_count[head] = store.hit_count[node]
+        store.last_access_time[head] = store.last_access_time[node]
+        self._link(parent, head)
+        store.set_run(node, key[num_blocks:], None if pages is None else pages[num_blocks:])
+        store.parent[node] = head
+        self._link(head, node)
+        return head
+
+    # --- links ------------------------------------------------------------
+
+    def _link(self, parent: int, child: int) -> None:
+        """Make ``child`` (whose parent is already ``parent``) reachable."""
+        self._nodes.link(parent, child)
+        self._index.add(child)
+
+    def _unlink(self, child: int) -> None:
+        """Make a reachable ``child`` unreachable; its parent link stays."""
+        self._index.remove(child)
+        self._nodes.unlink(child)
 
     # --- sizes ----------------------------------------------------------
 
@@ -451,15 +547,17 @@ class HiRadixTree:
         """Give back pages from ``alloc`` that were never inserted."""
         self._free.give_back(pages)
 
-    def _fill(self, node: RadixNode, pages: Sequence[int | None], now: float) -> None:
+    def _fill(self, node: int, pages: Sequence[int | None], now: float) -> None:
         """A placeholder's blocks got pages: it becomes host-backed."""
-        node.pages = page_run(pages)  # type: ignore[arg-type]
-        self._free.claim(node.pages)
-        self._num_cached_pages += len(node.pages)
-        if node.lock_ref:
-            self._num_locked_pages += len(node.pages)
-        node.creation_time = now
-        if not node.children:  # a locked placeholder whose children were evicted
+        store = self._nodes
+        run = page_run(pages)  # type: ignore[arg-type]
+        store.set_run(node, store.blocks(node), run)
+        self._free.claim(run)
+        self._num_cached_pages += len(run)
+        if store.lock_ref[node]:
+            self._num_locked_pages += len(run)
+        store.creation_time[node] = now
+        if store.first_child[node] == NO_NODE:  # a locked placeholder whose children were evicted
             self._queue.add(node)
 
     # --- eviction -------------------------------------------------------
@@ -473,13 +571,14 @@ class HiRadixTree:
         """
         if num_pages <= 0:
             return 0
+        store = self._nodes
         freed, hashes = 0, []
         while freed < num_pages:
             node = self._queue.pop()
             if node is None:
                 break
             need = num_pages - freed
-            if len(node.pages) > need:  # type: ignore[arg-type]
+            if store.page[node] == IN_RUN and len(store.runs[node]) > need:
                 freed += self._trim_tail(node, need, hashes)
                 self._queue.offer(node)  # still a leaf, same key
                 break
@@ -489,120 +588,124 @@ class HiRadixTree:
             self._on_evict(hashes)
         return freed
 
-    def _trim_tail(self, node: RadixNode, num_blocks: int, hashes: list[bytes]) -> int:
-        pages = node.pages
-        assert pages is not None and 0 < num_blocks < len(pages), node
+    def _trim_tail(self, node: int, num_blocks: int, hashes: list[bytes]) -> int:
+        store = self._nodes
+        key, pages = store.blocks(node), store.pages(node)
+        assert pages is not None and 0 < num_blocks < len(pages), store.describe(node)
         self._free.push(pages[-num_blocks:])
-        hashes.extend(node.key[-num_blocks:])
+        hashes.extend(key[-num_blocks:])
         del pages[-num_blocks:]
-        del node.key[-num_blocks:]
+        del key[-num_blocks:]
+        if len(key) == 1:  # back to the one-block form
+            store.set_run(node, key, pages)
         self._num_cached_pages -= num_blocks
         return num_blocks
 
-    def _drop_pages(self, node: RadixNode, hashes: list[bytes]) -> int:
+    def _drop_pages(self, node: int, hashes: list[bytes]) -> int:
         """Free a whole host-backed leaf's pages (the node is then detached)."""
-        pages = node.pages
-        assert pages is not None and not node.children and node.lock_ref == 0, node
+        store = self._nodes
+        pages = store.pages(node)
+        assert pages is not None and store.first_child[node] == NO_NODE \
+            and store.lock_ref[node] == 0, store.describe(node)
         self._queue.discard(node)
         self._free.push(pages)
-        hashes.extend(node.key)
+        hashes.extend(store.blocks(node))
         self._num_cached_pages -= len(pages)
         return len(pages)
 
-    def _detach(self, node: RadixNode) -> RadixNode | None:
-        """Unlink a childless node, pruning placeholders that become childless.
-
-        Returns the host-backed ancestor that became a leaf, if any.
-        """
+    def _detach(self, node: int) -> int:
+        """Unlink and release a childless node, pruning placeholders that
+        become childless. Returns the host-backed ancestor that became a
+        leaf, if any (else NO_NODE)."""
+        store = self._nodes
         while True:
-            parent = node.parent
-            assert parent is not None and not node.children, node
-            del parent.children[node.key[0]]  # type: ignore[attr-defined]
-            node.parent = None
-            if parent is self._root or parent.children:
-                return None
-            if parent.pages is not None:
+            parent = store.parent[node]
+            assert store.first_child[node] == NO_NODE, store.describe(node)
+            self._unlink(node)
+            store.release(node)  # not queued: evict discarded it, others are placeholders
+            if parent == ROOT or store.first_child[parent] != NO_NODE:
+                return NO_NODE
+            if store.page[parent] != PLACEHOLDER:
                 self._queue.add(parent)
                 return parent
-            if parent.lock_ref:  # pruned later, by unlock
-                return None
+            if store.lock_ref[parent]:  # pruned later, by unlock
+                return NO_NODE
             node = parent
 
     def clear(self) -> list[bytes]:
         """Drop every unlocked node (reset_cache); locked paths (and pinned
         orphans) stay. Returns the hashes of the blocks whose pages left."""
+        store = self._nodes
         freed: list[int] = []
         hashes: list[bytes] = []
-        stack = [self._root]
+        stack = [ROOT]
         while stack:
             node = stack.pop()
-            for child in list(node.children.values()):
-                if child.lock_ref:
+            for child in store.children(node):
+                if store.lock_ref[child]:
                     stack.append(child)
                 else:
-                    del node.children[child.key[0]]  # type: ignore[attr-defined]
+                    self._unlink(child)
                     self._drop_subtree(child, freed, hashes)
-            if node is not self._root and not node.children and node.pages is not None:
+            if node != ROOT and store.first_child[node] == NO_NODE \
+                    and store.page[node] != PLACEHOLDER:
                 self._queue.add(node)
         self._free.push(freed)
         self._num_cached_pages -= len(freed)
         self._queue.rebuild()
         return hashes
 
-    def _orphan(self, top: RadixNode) -> None:
-        """Cut ``top``'s subtree out of the index (it is already unlinked).
+    def _orphan(self, top: int, subtree: list[int]) -> None:
+        """Cut ``top``'s subtree (``top`` first) out of the index; ``top`` is
+        already unlinked.
 
         Unpinned, its pages are freed at once; pinned, they stay with their
         pins and are freed by the unlock that releases the last one.
         """
-        if top.lock_ref == 0:
-            self._free_orphan(top)
-            return
-        stack = [top]
-        while stack:
-            node = stack.pop()
-            node.orphaned = True
+        store = self._nodes
+        for node in subtree:
+            if node != top:
+                self._index.remove(node)
+            store.orphaned[node] = 1
             self._queue.discard(node)
-            stack.extend(node.children.values())
-        self._orphans.add(top)
+        if store.lock_ref[top] == 0:
+            self._free_orphan(top)
+        else:
+            self._orphans.add(top)
 
-    def _free_orphan(self, top: RadixNode) -> None:
+    def _free_orphan(self, top: int) -> None:
         freed: list[int] = []
         hashes: list[bytes] = []
-        stack = [top]
-        while stack:
-            node = stack.pop()
-            if node.pages is not None:
-                hashes.extend(node.key)
-            stack.extend(node.children.values())
-        self._drop_subtree(top, freed)
+        self._drop_subtree(top, freed, hashes)
         self._orphans.discard(top)
         self._free.push(freed)
         self._num_cached_pages -= len(freed)
         if hashes and self._on_evict is not None:
             self._on_evict(hashes)
 
-    def _drop_subtree(self, top: RadixNode, freed: list[int],
-                      hashes: list[bytes] | None = None) -> None:
-        top.parent = None
-        stack = [top]
-        while stack:
-            node = stack.pop()
-            if node.pages is not None:
-                freed.extend(node.pages)
-                if hashes is not None:
-                    hashes.extend(node.key)
-                self._queue.discard(node)
-            stack.extend(node.children.values())
+    def _drop_subtree(self, top: int, freed: list[int], hashes: list[bytes]) -> None:
+        """Release ``top`` (already unlinked) and every node below it,
+        collecting their pages and the hashes of their host-backed blocks."""
+        store = self._nodes
+        for node in store.subtree(top):
+            pages = store.pages(node)
+            if pages is not None:
+                freed.extend(pages)
+                hashes.extend(store.blocks(node))
+            if node != top and not store.orphaned[node]:
+                self._index.remove(node)
+            self._queue.discard(node)
+            store.release(node)
 
     # --- checks ---------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Raise RuntimeError, with the numbers, if any invariant is broken."""
         check_index(
-            self._root,
+            self._nodes,
+            self._index,
+            self._queue,
             self._free,
-            set(self._queue),
             self._orphans,
             num_pages=self._num_pages,
             num_cached_pages=self._num_cached_pages,
