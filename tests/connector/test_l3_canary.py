@@ -27,7 +27,7 @@ from vllm_hicache.connector.l3_canary import (
 )
 from vllm_hicache.connector.l3_setup import build_storage_io
 from vllm_hicache.connector.l3_worker import StorageIO
-from vllm_hicache.connector.metadata import BackupJob, PrefetchJob
+from vllm_hicache.connector.metadata import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor
 from vllm_hicache.keys import KeyNamespace
@@ -227,7 +227,7 @@ def test_disabled_worker_still_completes_the_schedulers_ops(make_store):
         assert io.wait_idle(10)
         progress, backups = io.poll()
         assert backups == {1}  # acknowledged: its pages are unpinned
-        assert progress == {2: (0, True)}  # a finished miss
+        assert progress == {2: PrefetchProgress(0, True)}  # a finished miss
         # The canary only: the backup was skipped.
         assert [is_canary_key(k) for k in pages.backend.data] == [True]
     finally:

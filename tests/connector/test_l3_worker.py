@@ -14,7 +14,7 @@ import torch
 from tests.connector.mem_backend import STORES, MemBackend
 from vllm_hicache.connector import l3_worker
 from vllm_hicache.connector.l3_worker import StorageIO
-from vllm_hicache.connector.metadata import BackupJob, PrefetchJob
+from vllm_hicache.connector.metadata import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.storage import StorageContext
@@ -152,4 +152,22 @@ def test_running_prefetch_stops_at_next_batch(store, monkeypatch):
 
     assert io.wait_idle(10)
     assert store.backend.num_gets == 1
-    assert io.poll()[0] == {5: (2, True)}
+    assert io.poll()[0] == {5: PrefetchProgress(2, True)}
+
+
+def test_backup_then_prefetch_carries_page_states(store, monkeypatch):
+    """A model with a state group: each backed-up page's state flag comes back
+    with the prefetch, per page, across batches."""
+    monkeypatch.setattr(l3_worker, "BATCH_PAGES", 2)
+    store.page_states = True
+    io = StorageIO(store, rank=0, writes=True, num_threads=1)
+    try:
+        hashes = tuple(bytes([p]) * 8 for p in range(5))
+        io.submit_backup(BackupJob(1, hashes, (0, 1, 2, 3, 4),
+                                   (False, True, False, False, True)))
+        assert io.wait_idle(10)
+        io.submit_prefetch(PrefetchJob(2, hashes, (8, 9, 10, 11, 12)))
+        assert io.wait_idle(10)
+        assert io.poll()[0] == {2: PrefetchProgress(5, True, frozenset({1, 4}))}
+    finally:
+        io.shutdown()

@@ -1,6 +1,9 @@
-"""Which block positions of a Mamba hybrid the scheduler half stores: a page
-is stored whole, so only where the Mamba group's block holds the state of
-the prefix ending at that position's boundary once the step's forward ran."""
+"""Which block positions of a Mamba hybrid the scheduler half stores, and
+where their state is valid: every position whose attention KV exists is
+stored; its state part is copied (and flagged valid) only where the Mamba
+group's block holds the state of the prefix ending at that position's
+boundary once the step's forward ran; a hit ends at a page with a valid
+state."""
 
 from types import SimpleNamespace
 
@@ -47,12 +50,12 @@ def scheduler_and_state(mamba_ids: list[int]):
 def test_state_where_the_forward_ends_on_the_boundary():
     # A chunk [96, 128): the state is written into position 3's block.
     sched, _, state = scheduler_and_state([0, 0, 0, 5])
-    assert sched._groups.holds_every_group(state, 3, done_tokens=4 * BLOCK)
+    assert sched._groups.holds_states(state, 3, done_tokens=4 * BLOCK)
     # The same block after a forward ending past the boundary is the running
     # state of a later token, not this boundary's.
-    assert not sched._groups.holds_every_group(state, 3, done_tokens=4 * BLOCK + 7)
+    assert not sched._groups.holds_states(state, 3, done_tokens=4 * BLOCK + 7)
     # Null positions hold no state.
-    assert not sched._groups.holds_every_group(state, 2, done_tokens=3 * BLOCK)
+    assert not sched._groups.holds_states(state, 2, done_tokens=3 * BLOCK)
 
 
 def test_state_of_an_earlier_position_only_where_vllm_keys_it():
@@ -60,22 +63,41 @@ def test_state_of_an_earlier_position_only_where_vllm_keys_it():
     # position 3 (vLLM keys its block by position 3's prefix hash).
     sched, pool, state = scheduler_and_state([0, 0, 6, 5, 7])
     done = 4 * BLOCK + 20
-    assert not sched._groups.holds_every_group(state, 3, done)
+    assert not sched._groups.holds_states(state, 3, done)
     pool.key(5, 3)
-    assert sched._groups.holds_every_group(state, 3, done)
+    assert sched._groups.holds_states(state, 3, done)
     # Our table names block 6 at position 2, but vLLM freed it and keyed it
     # for another prefix (or for another group): not stored.
     pool.key(6, 4)
-    assert not sched._groups.holds_every_group(state, 2, done)
+    assert not sched._groups.holds_states(state, 2, done)
     pool.blocks[6].block_hash = make_block_hash_with_group_id(HASHES[2], 1)
-    assert not sched._groups.holds_every_group(state, 2, done)
+    assert not sched._groups.holds_states(state, 2, done)
 
 
-def test_store_range_stores_whole_pages_only():
+def test_store_range_stores_attention_everywhere_and_states_where_kept():
     sched, pool, state = scheduler_and_state([0, 0, 0, 5, 7])
     pool.key(5, 3)
-    pairs = sched._store_range(state, 0, 4, done_tokens=4 * BLOCK + 20)
-    # Position 3 only, both groups: the Mamba block 5 and attention block 13
-    # (group 1: 16 + 13), into one page.
-    assert sorted(p.block_id for p in pairs) == [5, 16 + 13]
-    assert len({p.page for p in pairs}) == 1
+    pairs = sched._store_range(state, 0, 5, done_tokens=4 * BLOCK + 20)
+    by_page: dict[int, list[int]] = {}
+    for p in pairs:
+        by_page.setdefault(p.page, []).append(p.block_id)
+    # One page per position, each with its attention block (group 1: 16 + id);
+    # the Mamba block only at position 3 (kept by vLLM): block 7 at position
+    # 4 is the running state of token 148, not a boundary's.
+    assert sorted(sorted(b) for b in by_page.values()) == sorted([
+        [16 + 10], [16 + 11], [16 + 12], [5, 16 + 13], [16 + 14]])
+    matched = sched.tree.match(HASHES[:5]).pages
+    assert [sched.page_states.valid(p) for p in matched] == [False, False, False, True, False]
+    # A hit ends on the last page with a valid state.
+    assert sched.page_states.usable(matched) == 4
+    assert sched.page_states.usable(matched[:3]) == 0
+
+
+def test_lookup_cuts_the_hit_at_the_last_kept_state():
+    sched, pool, state = scheduler_and_state([0, 0, 0, 5, 7])
+    pool.key(5, 3)
+    sched._store_range(state, 0, 5, done_tokens=4 * BLOCK + 20)
+    request = SimpleNamespace(block_hashes=HASHES[:5] + [b"x" * 8], request_id="q",
+                              priority=0, num_tokens=6 * BLOCK)
+    tokens, _ = sched.get_num_new_matched_tokens(request, 0)
+    assert tokens == 4 * BLOCK

@@ -26,7 +26,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from tests.connector.harness import BLOCK, make_harness
-from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
+from vllm_hicache.connector.metadata import HiCacheWorkerMetadata, PrefetchProgress
 from vllm_hicache.policy import EVICTION_POLICIES
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -65,12 +65,14 @@ class AckMixer:
     def __call__(self, meta: HiCacheWorkerMetadata | None) -> HiCacheWorkerMetadata | None:
         if meta is not None:
             for op_id, by_rank in meta.prefetch.items():
-                for rank, (done, finished) in by_rank.items():
-                    self._hold(("prefetch", op_id, rank), (done, finished))
+                for rank, progress in by_rank.items():
+                    done, finished = progress.done, progress.finished
+                    self._hold(("prefetch", op_id, rank), progress)
                     lagging = done if finished else self.rng.randint(0, done)
-                    self._hold(("prefetch", op_id, 1), (lagging, False))
+                    self._hold(("prefetch", op_id, 1),
+                               PrefetchProgress(lagging, False, progress.state_pages))
                     if finished:
-                        self._hold(("prefetch", op_id, 1), (done, True))
+                        self._hold(("prefetch", op_id, 1), progress)
             for op_id in meta.backups:
                 self._hold(("backup", op_id, 0), None)
                 self._hold(("backup", op_id, 1), None)

@@ -18,10 +18,11 @@ changes them.
 Unlike the Mamba2 kernel, the CPU GDN kernel runs prefill chunks spanning
 several blocks. vLLM's ``align`` scheduling then cuts a prompt's prefill at
 its last block boundary before the end (``(len - 1) // block * block``) and
-keeps a state only at each chunk's end, so a multi-block chunk stores one
-page (its last) and no prefix starting at block 0: the last test records
-that a later turn of a conversation gets no hit from L2 although vLLM's own
-L1 reuses the earlier turn's prefix.
+keeps a state only at each chunk's end. Every page is stored with its
+attention KV, flagged with whether its state is valid (page_states.py), and
+a hit ends at a page with a valid state: the last test checks that a later
+turn of a conversation gets from L2, and from L3, the prefix vLLM's own L1
+reuses, with the same outputs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.e2e.engine_utils import BLOCK_SIZE, close, generate, make_llm, scheduler_half
 from tests.e2e.hybrid_checks import (
@@ -57,7 +59,9 @@ WIDE_CHUNKS = dict(ENGINE_KW, max_num_batched_tokens=512)
 # Prompt sets: L2 check, state control, attention control, L3 check, and the
 # two conversations of the multi-block test.
 SETS = {"l2": 1, "mamba": 2, "full": 3, "l3": 4}
-CONVERSATIONS = {"evicted": (5, True), "resident": (6, False)}  # name: (seed, evict L1)
+# name: (seed, what is dropped between the turns: nothing, L1, or L1 and L2)
+CONVERSATIONS = {"resident": (6, "none"), "evicted": (5, "l1"), "from_l3": (7, "l2")}
+CORRUPTED = (8, "l1")  # the negative control's conversation: new to L2 and L3
 QUESTION = [7 + (i * 29) % 470 for i in range(60)]
 
 
@@ -79,19 +83,37 @@ class Conversation:
     stored: list[list[int]]  # per turn, block positions stored (HiCache engines)
 
 
-def converse(llm, seed: int, evict: bool) -> Conversation:
-    """``evict``: fill L1 between the turns, so turn 2 can hit only L2."""
+def converse(llm, seed: int, evict: str, corrupt: str | None = None) -> Conversation:
+    """``evict``: "l1" fills L1 between the turns, so turn 2 can hit only L2;
+    "l2" also drops L2 (after the filler let turn 1's backups land), so turn
+    2 can hit only L3. ``corrupt``: a group kind whose layers get random
+    bytes in every host page before turn 2 (negative control)."""
     has_connector = llm.llm_engine.vllm_config.kv_transfer_config is not None
     sched = scheduler_half(llm) if has_connector else None
     turn1 = prompt_set(seed)[0]
     with stored_positions(sched) as stored1:
         (answer1,), _ = generate(llm, [turn1])
-    if evict:
+    if evict != "none":
         generate(llm, filler(seed))
+    if evict == "l2":
+        assert llm.reset_prefix_cache(reset_connector=True)
+    if corrupt is not None:
+        randomize_group(sched, corrupt)
     turn2 = turn1 + answer1 + QUESTION
     with stored_positions(sched) as stored2:
         (answer2,), (cached2,) = generate(llm, [turn2])
     return Conversation([turn1, turn2], [answer1, answer2], cached2, [stored1, stored2])
+
+
+def randomize_group(sched, kind: str) -> None:
+    from tests.e2e.engine_utils import worker_half
+
+    layers = next(g.layers for g in sched.geom.groups if g.kind == kind)
+    cells = worker_half().pool.cells()  # [page, layer, ...]
+    generator = torch.Generator().manual_seed(0)
+    for layer in layers:
+        cells[:, layer].copy_(torch.randn(cells[:, layer].shape, generator=generator,
+                                          dtype=cells.dtype))
 
 
 @contextmanager
@@ -126,8 +148,10 @@ def reference(tiny_qwen3_next_dir):
     out = reference_outputs(tiny_qwen3_next_dir, SETS, **BLOCK_CHUNKS)
     llm = make_llm(tiny_qwen3_next_dir, connector=False, **WIDE_CHUNKS)
     try:
-        for name, (seed, evict) in CONVERSATIONS.items():
-            out[name] = converse(llm, seed, evict=evict).answers
+        # L1 kept: turn 2 reuses turn 1 from vLLM's own cache, so it computes
+        # the same chunks as a HiCache engine serving that prefix from L2/L3.
+        for name, (seed, _) in {**CONVERSATIONS, "corrupted": CORRUPTED}.items():
+            out[name] = converse(llm, seed, evict="none")
         return out
     finally:
         close(llm)
@@ -196,24 +220,27 @@ def test_l3_hits_equal_recomputation(engine, reference):
     check_l3_hits_equal_recomputation(engine, reference["l3"], SETS["l3"])
 
 
-def test_multi_block_chunks_store_chunk_ends_only(engines, reference):
-    """Chunks spanning several blocks: outputs still equal recomputation, but
-    only each chunk's last page has a state, so it alone is stored and L2
-    offers no prefix (a hit starts at block 0). vLLM's own L1 does reuse turn
-    1's prefix up to its kept state: what per-page state validity could
-    serve from L2/L3 too."""
+def test_multi_block_chunks_hit_up_to_the_last_kept_state(engines, reference):
+    """Chunks spanning several blocks: every page is stored, a state only at
+    each chunk's end, and turn 2 hits turn 1's prefix up to its kept state
+    from L1, L2 or L3 alike, with the outputs of vLLM reusing it from L1."""
     llm = engines.get(WIDE_CHUNKS)
-
-    evicted = converse(llm, *CONVERSATIONS["evicted"])
-    assert evicted.answers == reference["evicted"]
-    # Each prefill's first chunk stops at the prompt's last block boundary
-    # before its end (192 of 200 tokens; 256 of 272); the second chunk and
-    # the 12 decode steps end on no boundary. Only that page is stored.
-    last_boundary = [(len(p) - 1) // BLOCK_SIZE for p in evicted.prompts]
-    assert evicted.stored == [[last_boundary[0] - 1], [last_boundary[1] - 1]]
-    assert evicted.cached2 == 0
-
-    # L1 kept: vLLM reuses turn 1 up to its kept state (192 tokens).
-    resident = converse(llm, *CONVERSATIONS["resident"])
-    assert resident.answers == reference["resident"]
-    assert resident.cached2 == last_boundary[0] * BLOCK_SIZE
+    resident = reference["resident"]
+    # vLLM alone: each prefill's first chunk stops at the prompt's last block
+    # boundary before its end (192 of 200 tokens; 256 of 272), and turn 2
+    # reuses turn 1 up to that kept state.
+    kept = (len(resident.prompts[0]) - 1) // BLOCK_SIZE
+    assert resident.cached2 == kept * BLOCK_SIZE
+    for name, (seed, evict) in CONVERSATIONS.items():
+        talk = converse(llm, seed, evict)
+        assert talk.answers == reference[name].answers, name
+        assert talk.cached2 == reference[name].cached2 == kept * BLOCK_SIZE, name
+        # Turn 1 stores its 6 full blocks; turn 2 the two it computed.
+        assert talk.stored == [list(range(kept)), [kept, kept + 1]], name
+    # Negative control: an L2 hit like "evicted", with random states in the
+    # host pages.
+    talk = converse(llm, *CORRUPTED, corrupt="mamba")
+    assert talk.cached2 == kept * BLOCK_SIZE
+    assert talk.answers[0] == reference["corrupted"].answers[0]
+    assert talk.answers[1] != reference["corrupted"].answers[1]
+    assert llm.reset_prefix_cache(reset_connector=True)

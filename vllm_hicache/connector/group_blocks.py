@@ -2,19 +2,21 @@
 move a page, for every KV cache group (hybrid models; one group is the
 trivial case).
 
-Invariant: a page is stored whole — every group's data of its block
-position — or not at all, so any hit is restorable in every group and the
-all-or-nothing rule needs no per-group check at lookup:
+Invariant: a page holds every attention group's KV of its block position,
+so any run of pages is a hit every attention group can restore:
 
 - attention groups hold a position while their block there is real (not
   vLLM's null block); a sliding window's blocks before the window are
   freed when vLLM schedules the step, so those positions are never stored;
-- a Mamba group holds a position when its block there will hold the state
-  of the prefix ending at that position's boundary once the step's forward
-  has run (``holds_state``).
+- a Mamba group's state is valid at a position only when its block there
+  holds the state of the prefix ending at that position's boundary once the
+  step's forward has run (``holds_state``); a page is stored either way,
+  its state part copied only where valid, and the scheduler records which
+  (page_states.py).
 
 For an external hit of N blocks vLLM gives a Mamba group only the block at
-position N-1 (the others are null), so only the last page's state loads.
+position N-1 (the others are null), so only the last page's state loads,
+and a hit must end at a page whose state is valid (``PageStates.usable``).
 """
 
 from __future__ import annotations
@@ -46,20 +48,23 @@ class GroupBlocks:
         """More than one KV cache group: positions need the checks below."""
         return self.geom.num_groups > 1
 
-    def pairs(self, group_ids, positions, pages) -> list[BlockPage]:
+    def pairs(self, group_ids, positions, pages, with_state=None) -> list[BlockPage]:
         """The (block, page) pairs copying block positions ``positions`` to or
         from ``pages`` (in step): one group's block ids, or for hybrid models
         every group's block at each position as group block ids
         (geometry.group_block_id), except where a group holds the null block
-        (nothing to copy)."""
+        (nothing to copy) and, given ``with_state`` (per position), a Mamba
+        group's block where its state is not valid."""
         if len(group_ids) == 1:
             ids = group_ids[0]
             return [BlockPage(ids[i], page) for i, page in zip(positions, pages)]
         pairs = []
         for group, ids in enumerate(group_ids):
-            for i, page in zip(positions, pages):
+            wanted = (with_state if with_state is not None and group in self.mamba_groups
+                      else [True] * len(pages))
+            for i, page, want in zip(positions, pages, wanted):
                 block = ids[i]
-                if block != self.null_block_id:
+                if want and block != self.null_block_id:
                     pairs.append(BlockPage(self.geom.group_block_id(group, block), page))
         return pairs
 
@@ -82,14 +87,15 @@ class GroupBlocks:
             first = max(first, skipped_tokens // self.block_size)
         return first
 
-    def holds_every_group(self, state: ReqState, block: int, done_tokens: int) -> bool:
-        """Will every group hold this position's data once this step's
-        forward (ending at ``done_tokens``) has run? Attention groups: a real
-        block. Mamba groups (``holds_state``): the state of the boundary
-        after this block."""
-        tables = state.group_block_ids
-        if not all(block < len(ids) and ids[block] != self.null_block_id for ids in tables):
-            return False
+    def holds_attention(self, state: ReqState, block: int) -> bool:
+        """Does every attention group hold a real block at this position?"""
+        mamba = self.mamba_groups
+        return all(block < len(ids) and ids[block] != self.null_block_id
+                   for g, ids in enumerate(state.group_block_ids) if g not in mamba)
+
+    def holds_states(self, state: ReqState, block: int, done_tokens: int) -> bool:
+        """Will every Mamba group hold the state of the boundary after this
+        position once this step's forward (ending at ``done_tokens``) has run?"""
         return all(self.holds_state(state, g, block, done_tokens) for g in self.mamba_groups)
 
     def holds_state(self, state: ReqState, group: int, block: int, done_tokens: int) -> bool:
@@ -103,6 +109,9 @@ class GroupBlocks:
         prefix's hash holds it (a prefill checkpoint it retains): our copy of
         the table may name a block vLLM freed and handed on, which has lost
         that hash."""
+        ids = state.group_block_ids[group]
+        if block >= len(ids) or ids[block] == self.null_block_id:
+            return False
         num_tokens = (block + 1) * self.block_size
         if done_tokens == num_tokens:
             return True

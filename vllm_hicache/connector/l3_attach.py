@@ -583,7 +583,7 @@ def make_control(sched: HiCacheScheduler, geom, vllm_config) -> StorageControl:
 
     return StorageControl(
         sched,
-        lambda cfg: build_planner(cfg, geom, vllm_config, sched.num_pages),
+        lambda cfg: build_planner(cfg, geom, vllm_config, sched.num_pages, sched.page_states),
         num_worker_ranks(vllm_config),
         lambda: check_shareable_hashes(vllm_config),
         engine_loop_waker(),

@@ -183,8 +183,10 @@ class DisabledPageStore:
         # "Nothing stored" makes a backup try to write, which is skipped.
         return 0
 
-    def write(self, hashes: Sequence[bytes], pages: Sequence[int]) -> list[bool]:
+    def write(self, hashes: Sequence[bytes], pages: Sequence[int],
+              states: Sequence[bool] | None = None) -> list[bool]:
         return [False] * len(hashes)
 
-    def read(self, hashes: Sequence[bytes], pages: Sequence[int]) -> int:
+    def read(self, hashes: Sequence[bytes], pages: Sequence[int],
+             states: list[bool] | None = None) -> int:
         return 0

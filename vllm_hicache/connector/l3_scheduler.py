@@ -40,8 +40,14 @@ from dataclasses import dataclass, field
 
 from vllm_hicache.connector.daemon_pool import DaemonPool
 from vllm_hicache.connector.kv_events import MEDIUM_L2, MEDIUM_L3, KVEventLog
-from vllm_hicache.connector.metadata import BackupJob, HiCacheWorkerMetadata, PrefetchJob
+from vllm_hicache.connector.metadata import (
+    BackupJob,
+    HiCacheWorkerMetadata,
+    PrefetchJob,
+    PrefetchProgress,
+)
 from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
+from vllm_hicache.connector.page_states import PageStates
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.policy.offload import BackupBacklog, backup_inflight_cap
@@ -64,7 +70,7 @@ class _Op:
     start: int                 # first block the op fills
     pages: list[int]
     committed: int = 0
-    progress: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    progress: dict[int, PrefetchProgress] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -82,8 +88,12 @@ class _Lookup:
 class StoragePlanner:
     def __init__(self, cfg: StorageConfig, backend: StorageBackend, namespaces: list[KeyNamespace],
                  block_size: int, world_size: int, max_inflight_pages: int,
-                 max_backup_pages: int | None = None) -> None:
+                 max_backup_pages: int | None = None,
+                 page_states: PageStates | None = None) -> None:
         self.cfg = cfg
+        # The scheduler half's page flags (models with a state group): read
+        # for backups, set as prefetched pages are indexed.
+        self.page_states = page_states
         self.backend = backend
         self.namespaces = namespaces
         self.block_size = block_size
@@ -287,9 +297,11 @@ class StoragePlanner:
         op = ops.open(OpKind.BACKUP, step, stored)
         hashes = tuple(r.chain[i] for r in stored for i in r.blocks)
         pages = tuple(p for r in stored for p in r.pages)
+        states = (tuple(map(self.page_states.valid, pages)) if self.page_states is not None
+                  else ())
         self._backups[op.op_id] = op
         self.backed_up_blocks += len(pages)
-        return [BackupJob(op.op_id, hashes, pages)]
+        return [BackupJob(op.op_id, hashes, pages, states)]
 
     def plan_backups(self, ops: PageOps, tree: HiRadixTree, stored: list[PinnedRange],
                      step: int) -> list[BackupJob]:
@@ -370,10 +382,12 @@ class StoragePlanner:
         for op_id, by_rank in meta.prefetch.items():
             op = self._ops.get(op_id)
             if op is not None:
-                for rank, (done, finished) in by_rank.items():
-                    # Never backwards: a rank's count and end only grow.
-                    prev_done, prev_finished = op.progress.get(rank, (0, False))
-                    op.progress[rank] = (max(done, prev_done), finished or prev_finished)
+                for rank, p in by_rank.items():
+                    # Never backwards: a rank's count, end and states only grow.
+                    prev = op.progress.get(rank, PrefetchProgress(0, False))
+                    op.progress[rank] = PrefetchProgress(
+                        max(p.done, prev.done), p.finished or prev.finished,
+                        p.state_pages | prev.state_pages)
                 self._advance(op, tree, events)
         for op_id, hashes in meta.backup_failures.items():
             if op_id in self._backups:  # reported before (or with) that rank's ack
@@ -384,8 +398,13 @@ class StoragePlanner:
     def _advance(self, op: _Op, tree: HiRadixTree, events: KVEventLog | None = None) -> None:
         if len(op.progress) < self.world_size:
             return
-        done = min(count for count, _ in op.progress.values())
+        done = min(p.done for p in op.progress.values())
         if done > op.committed:
+            if self.page_states is not None:
+                # Valid only where every rank's object said so.
+                valid = frozenset.intersection(*(p.state_pages for p in op.progress.values()))
+                self.page_states.mark(op.pages[op.committed : done],
+                                      [i in valid for i in range(op.committed, done)])
             new = [None] * (op.start + op.committed) + op.pages[op.committed : done]
             chain = op.chain[: op.start + done]
             unused = tree.insert(chain, new)
@@ -396,7 +415,7 @@ class StoragePlanner:
                                                         bool(unused)))
             self.prefetched_blocks += done - op.committed
             op.committed = done
-        if all(finished for _, finished in op.progress.values()):
+        if all(p.finished for p in op.progress.values()):
             leftover = op.pages[op.committed :]
             if leftover:
                 tree.free(leftover)

@@ -36,6 +36,7 @@ from vllm_hicache.connector.l3_identity import (
 )
 from vllm_hicache.connector.l3_scheduler import StoragePlanner
 from vllm_hicache.connector.l3_worker import StorageIO
+from vllm_hicache.connector.page_states import PageStates
 from vllm_hicache.keys import HeadSlicing, KeyNamespace, check_head_slicing
 from vllm_hicache.storage import StorageContext, create_backend
 from vllm_hicache.storage.format import HEADER_BYTES
@@ -137,8 +138,8 @@ def namespace(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, tp_rank: int,
     )
 
 
-def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config,
-                  num_pages: int) -> StoragePlanner:
+def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, num_pages: int,
+                  page_states: PageStates | None = None) -> StoragePlanner:
     storage = cfg.storage
     parallel = vllm_config.parallel_config
     tp_size = parallel.tensor_parallel_size
@@ -160,6 +161,7 @@ def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config,
     return StoragePlanner(
         storage, backend, namespaces, geom.block_size,
         world_size=num_worker_ranks(vllm_config), max_inflight_pages=cap,
+        page_states=page_states,
     )
 
 
@@ -178,7 +180,8 @@ def build_storage_io(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, pool,
     backend = create_backend(storage.backend, storage.backend_options, ctx)
     codec = make_codec(storage.secret, storage.encrypt)
     pages = PageStore(backend, pool, namespace(cfg, geom, vllm_config, rank, pp_rank,
-                                               page_format=actual), codec)
+                                               page_format=actual), codec,
+                      page_states=bool(geom.mamba_groups))
     if rank == 0 and pp_rank == 0:
         logger.info("HiCache L3: objects sealed with %s%s", codec.name,
                     "" if storage.secret is not None else

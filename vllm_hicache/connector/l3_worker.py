@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future, wait
 
 from vllm_hicache.connector.daemon_pool import DaemonPool
-from vllm_hicache.connector.metadata import BackupJob, PrefetchJob
+from vllm_hicache.connector.metadata import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.connector.stats import WorkerCounters, key
 from vllm_hicache.storage.pages import PageStore
 
@@ -56,7 +56,7 @@ class StorageIO:
         # process from exiting once shutdown has given up on it.
         self._pool = DaemonPool(num_threads, "hicache-l3")
         self._lock = threading.Lock()
-        self._progress: dict[int, tuple[int, bool]] = {}
+        self._progress: dict[int, PrefetchProgress] = {}
         self._backups_done: set[int] = set()
         # Backup op -> hashes not in L3 after it (KV events), until polled.
         self._backup_failures: dict[int, set[bytes]] = {}
@@ -67,7 +67,7 @@ class StorageIO:
 
     def submit_prefetch(self, job: PrefetchJob, ready=None) -> None:
         with self._lock:
-            self._progress[job.op_id] = (0, False)
+            self._progress[job.op_id] = PrefetchProgress(0, False)
         self._track(self._prefetches, self._pool.submit(self._guard, self._prefetch, job, ready))
 
     def submit_backup(self, job: BackupJob, ready=None) -> None:
@@ -100,8 +100,8 @@ class StorageIO:
             self.counters.add(key("l3_errors", "read" if kind == "prefetch" else "write"))
             with self._lock:
                 if isinstance(job, PrefetchJob):
-                    done, _ = self._progress.get(job.op_id, (0, False))
-                    self._progress[job.op_id] = (done, True)
+                    progress = self._progress.get(job.op_id, PrefetchProgress(0, False))
+                    self._progress[job.op_id] = progress._replace(finished=True)
                 else:
                     self._backup_failures.setdefault(job.op_id, set()).update(job.hashes)
                     self._backups_done.add(job.op_id)
@@ -110,18 +110,20 @@ class StorageIO:
         if ready is not None:
             ready.synchronize()
         done = 0
+        states: list[bool] = []  # per page read, for stores with page states
         for begin in range(0, len(job.pages), BATCH_PAGES):
             end = min(begin + BATCH_PAGES, len(job.pages))
             started = time.perf_counter()
-            good = self.pages.read(job.hashes[begin:end], job.pages[begin:end])
+            good = self.pages.read(job.hashes[begin:end], job.pages[begin:end], states)
             self.counters.add_transfer("prefetch", good * self._page_bytes,
                                        time.perf_counter() - started)
             done += good
             finished = good < end - begin or end == len(job.pages)
             if self._stopping.is_set():
                 finished = True  # shutdown: nobody will use the rest
+            state_pages = frozenset(i for i, valid in enumerate(states) if valid)
             with self._lock:
-                self._progress[job.op_id] = (done, finished)
+                self._progress[job.op_id] = PrefetchProgress(done, finished, state_pages)
             if finished:
                 return
 
@@ -133,10 +135,14 @@ class StorageIO:
             for begin in range(0, len(job.pages), BATCH_PAGES):
                 hashes = job.hashes[begin : begin + BATCH_PAGES]
                 pages = job.pages[begin : begin + BATCH_PAGES]
+                states = job.states[begin : begin + BATCH_PAGES] or None
                 started = time.perf_counter()
+                # An object already there is kept, also one without a valid
+                # state where this page has one (page_states.py).
                 have = self.pages.exists_prefix(hashes)
                 if have < len(hashes):
-                    stored = self.pages.write(hashes[have:], pages[have:])
+                    stored = self.pages.write(hashes[have:], pages[have:],
+                                              states[have:] if states else None)
                     failed += [h for h, ok in zip(hashes[have:], stored) if not ok]
                     num_stored = sum(stored)
                 else:
@@ -164,13 +170,13 @@ class StorageIO:
         new, self._invalid_seen = max(0, total - self._invalid_seen), total
         return new
 
-    def poll(self) -> tuple[dict[int, tuple[int, bool]], set[int]]:
+    def poll(self) -> tuple[dict[int, PrefetchProgress], set[int]]:
         """Progress of open prefetches (finished ones reported once), and the
         backups finished since the last poll."""
         with self._lock:
             progress = dict(self._progress)
-            for op_id, (_, finished) in progress.items():
-                if finished:
+            for op_id, p in progress.items():
+                if p.finished:
                     del self._progress[op_id]
             backups, self._backups_done = self._backups_done, set()
         return progress, backups

@@ -65,11 +65,23 @@ class PrefetchJob:
 @dataclass(frozen=True)
 class BackupJob:
     """Write host ``pages`` to L3 under ``hashes`` (L2 -> L3), after this
-    step's stores have filled them."""
+    step's stores have filled them. ``states``: per page, whether its state
+    part is valid (models with a state group, page_states.py; else empty)."""
 
     op_id: int
     hashes: tuple[bytes, ...]
     pages: tuple[int, ...]
+    states: tuple[bool, ...] = ()
+
+
+class PrefetchProgress(NamedTuple):
+    """One rank's progress on one prefetch op."""
+
+    done: int           # leading pages verified and written into L2
+    finished: bool      # nothing more will come
+    # Of those, the pages (indices into the job's pages) whose state part is
+    # valid (models with a state group; else empty).
+    state_pages: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,7 @@ class HiCacheMetadata(KVConnectorMetadata):
 class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
     """Workers -> scheduler, once per step; vLLM merges the ranks' copies.
 
-    ``prefetch``: op -> rank -> (leading pages done, finished);
+    ``prefetch``: op -> rank -> PrefetchProgress;
     ``backups``: op -> ranks that finished it;
     ``failed_store_pages``: host pages whose L1 -> L2 store raised on some
     rank since its last report. Their bytes are garbage on that rank, so the
@@ -118,7 +130,7 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
     ``backup_failures``: backup op -> hashes some rank did not get into L3
     (reported no later than that rank's ack; for KV events)."""
 
-    prefetch: dict[int, dict[int, tuple[int, bool]]] = field(default_factory=dict)
+    prefetch: dict[int, dict[int, PrefetchProgress]] = field(default_factory=dict)
     backups: dict[int, set[int]] = field(default_factory=dict)
     failed_store_pages: set[int] = field(default_factory=set)
     storage_acks: dict[int, dict[int, str]] = field(default_factory=dict)

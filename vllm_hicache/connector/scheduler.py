@@ -46,6 +46,7 @@ from vllm_hicache.connector.metadata import (
     merge_copies,
 )
 from vllm_hicache.connector.page_ops import OpKind, PageOp, PageOps, PinnedRange
+from vllm_hicache.connector.page_states import PageStates
 from vllm_hicache.connector.pd import loads_hits
 from vllm_hicache.connector.request_params import (
     DEFAULT_CONTROLS,
@@ -97,10 +98,10 @@ class HiCacheScheduler:
         cfg: HiCacheConfig,
         geom: KVGeometry,
         local_ranks: int = 1,
-        l3_factory: Callable[[int], StoragePlanner] | None = None,
+        l3_factory: Callable[[int, PageStates | None], StoragePlanner] | None = None,
     ) -> None:
-        """``l3_factory(num_pages)`` builds the L3 planner, when a storage
-        backend is configured, once L2 is known to fit."""
+        """``l3_factory(num_pages, page_states)`` builds the L3 planner,
+        when a storage backend is configured, once L2 is known to fit."""
         self.cfg = cfg
         self.block_size = geom.block_size
         # Hybrid models: copies name each group's blocks (geometry.group_block_id).
@@ -141,7 +142,10 @@ class HiCacheScheduler:
         self._block_pool = None
         self._stored_ranges: list[PinnedRange] = []
         # The engine's start line (connector.start_line) reports the sizes.
-        self.l3: StoragePlanner | None = l3_factory(self.num_pages) if l3_factory else None
+        # Models with a state group: which pages hold a usable state.
+        self.page_states = PageStates(self.num_pages) if geom.mamba_groups else None
+        self.l3: StoragePlanner | None = (l3_factory(self.num_pages, self.page_states)
+                                          if l3_factory else None)
         # Runtime attach/detach of L3 (admin API); set by the connector.
         self.storage_control: StorageControl | None = None
         # KV cache events (kv_events.py); the connector turns them on.
@@ -178,6 +182,8 @@ class HiCacheScheduler:
             cap = controls.load_block_cap(self.block_size) if controls.loads_l2 else 0
             if cap is not None:
                 pages = pages[:cap]
+        if self.page_states is not None:
+            pages = pages[: self.page_states.usable(pages)]  # a hit ends on a kept state
         if not pages:
             return 0, False
         if not self.load_gate.load_l2(num_computed_tokens, len(pages) * self.block_size,
@@ -352,7 +358,7 @@ class HiCacheScheduler:
         match = self.tree.match(hashes)
         want = match.missing(lo, hi)
         if hybrid:
-            want = [i for i in want if self._groups.holds_every_group(state, i, done_tokens)]
+            want = [i for i in want if self._groups.holds_attention(state, i)]
         want = self.write_policy.select(hashes, want)
         if not want:
             return []
@@ -363,10 +369,14 @@ class HiCacheScheduler:
             want = want[: len(pages)]
             if not want:
                 return []
+        with_state = None
+        if self.page_states is not None:
+            with_state = [self._groups.holds_states(state, i, done_tokens) for i in want]
+            self.page_states.mark(pages, with_state)
         self._insert_pinned(OpKind.STORE, hashes[: want[-1] + 1], want, pages,
                             state.request.priority, state.request)
         self.stats.record_store(len(want))
-        return self._groups.pairs(state.group_block_ids, want, pages)
+        return self._groups.pairs(state.group_block_ids, want, pages, with_state)
 
     def _insert_pinned(self, kind: OpKind, chain, blocks: list[int], pages: list[int],
                        priority: int, request: Request | None = None) -> PageOp:

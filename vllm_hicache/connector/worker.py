@@ -251,7 +251,8 @@ class HiCacheWorker:
         self._backup_failures.setdefault(job.op_id, set()).update(
             h for h, page in zip(job.hashes, job.pages) if page in bad)
         return BackupJob(
-            job.op_id, tuple(job.hashes[i] for i in keep), tuple(job.pages[i] for i in keep)
+            job.op_id, tuple(job.hashes[i] for i in keep), tuple(job.pages[i] for i in keep),
+            tuple(job.states[i] for i in keep) if job.states else (),
         )
 
     # --- completions -------------------------------------------------------

@@ -55,6 +55,11 @@ def key_digest(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
+def header_key_digest(header: np.ndarray) -> bytes:
+    """The key digest a header holds (unchecked: the codec checks it)."""
+    return header[16:32].tobytes()
+
+
 def pack_fields(key: str, payload_bytes: int, protection: int,
                 nonce: bytes = _ZERO_NONCE) -> bytes:
     """Header bytes 0..48 of an object of ``payload_bytes`` under ``key``."""

@@ -21,6 +21,15 @@ sealed bytes only. The MAC codec checks a batch's objects on several threads
 each object's ciphertext goes through a per-thread scratch buffer, and
 batches are cut so that scratch stays under ``SCRATCH_BYTES``.
 
+Models with a Mamba / linear-attention state group (``page_states``): a
+page's state part is valid only at some block positions, and its object says
+whether. The flag is folded into the key the codec seals under (object key
++ ``#state`` or ``#no-state``, so into the header's key digest, which the
+check covers): it cannot be flipped without the check failing, and a reader
+that does not expect flags finds a key digest that is not its key's (a miss),
+and the other way round. The object key itself has no flag, so a page is one
+object whether or not its state is valid.
+
 Reads index a page only after its object passed every check (header, key,
 length, protection, checksum/MAC/tag); the result is the number of leading
 pages read successfully (a prefix: L2 stays prefix-closed). An object that
@@ -46,7 +55,7 @@ from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.storage.base import StorageBackend
 from vllm_hicache.storage.batching import chunks, map_slices
 from vllm_hicache.storage.counters import Counters
-from vllm_hicache.storage.format import HEADER_BYTES
+from vllm_hicache.storage.format import HEADER_BYTES, header_key_digest, key_digest
 from vllm_hicache.storage.log_throttle import LogThrottle
 from vllm_hicache.storage.sealing import ChecksumCodec, ObjectCodec
 
@@ -55,6 +64,9 @@ logger = logging.getLogger(__name__)
 # Most scratch bytes one thread holds for the encrypting codec (one backend
 # call's worth; a bigger batch is cut into several calls).
 SCRATCH_BYTES = 64 << 20
+# Appended to an object's key to form the key it is sealed under, for stores
+# with ``page_states`` (see the module doc).
+_STATE_SUFFIX = {True: "#state", False: "#no-state"}
 # Threads that seal and open one batch's objects at once (codecs that release
 # the GIL: keyed BLAKE3), shared by every PageStore of the process.
 _SEAL_THREADS = min(4, os.cpu_count() or 1)
@@ -77,8 +89,9 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 class PageStore:
     def __init__(self, backend: StorageBackend, pool: HostKVPool, ns: KeyNamespace,
-                 codec: ObjectCodec | None = None) -> None:
+                 codec: ObjectCodec | None = None, page_states: bool = False) -> None:
         self.backend = backend
+        self.page_states = page_states
         self.pool = pool
         self.ns = ns
         self.codec = codec if codec is not None else ChecksumCodec()
@@ -120,29 +133,46 @@ class PageStore:
     def exists_prefix(self, hashes: Sequence[bytes]) -> int:
         return self.backend.exists_prefix(self.keys(hashes)) // self._per_page
 
-    def write(self, hashes: Sequence[bytes], pages: Sequence[int]) -> list[bool]:
-        """Store pages as objects; per-page success."""
+    def write(self, hashes: Sequence[bytes], pages: Sequence[int],
+              states: Sequence[bool] | None = None) -> list[bool]:
+        """Store pages as objects; per-page success. ``states`` (stores with
+        ``page_states``): per page, whether its state part is valid (none
+        given: no page's is)."""
         keys = self.keys(hashes)
+        if self.page_states:
+            states = states if states is not None else [False] * len(hashes)
+            assert len(states) == len(hashes), (len(states), len(hashes))
+            sealed = self._sealed_keys(keys, states)
+        else:
+            assert states is None, "states given to a store of pages without a state part"
+            sealed = keys
         payloads = self._payloads(pages)
         stored: list[bool] = []
         for lo, hi in self._chunks(len(keys)):
-            stored += self._write_chunk(keys[lo:hi], payloads[lo:hi])
+            stored += self._write_chunk(keys[lo:hi], sealed[lo:hi], payloads[lo:hi])
         n = self._per_page
         return [all(stored[i:i + n]) for i in range(0, len(stored), n)]
 
-    def read(self, hashes: Sequence[bytes], pages: Sequence[int]) -> int:
-        """Fill ``pages`` from the objects of ``hashes``; leading pages read."""
+    def read(self, hashes: Sequence[bytes], pages: Sequence[int],
+             states: list[bool] | None = None) -> int:
+        """Fill ``pages`` from the objects of ``hashes``; leading pages read.
+        ``states`` (stores with ``page_states``) gets, per page read, whether
+        its state part is valid."""
         keys = self.keys(hashes)
         payloads = self._read_targets(pages)
+        object_states: list[bool] = []
         good = 0
         for lo, hi in self._chunks(len(keys)):
-            verified = self._read_chunk(keys[lo:hi], payloads[lo:hi])
+            verified = self._read_chunk(keys[lo:hi], payloads[lo:hi], object_states)
             good += verified
             if verified < hi - lo:
                 break
         if good < len(keys):
             logger.debug("L3 read: %d of %d objects valid", good, len(keys))
         good_pages = good // self._per_page
+        if states is not None and self.page_states:
+            n = self._per_page  # a page's state is valid if all its objects say so
+            states += [all(object_states[i * n:(i + 1) * n]) for i in range(good_pages)]
         if not self._zero_copy and good_pages:
             self._scatter(pages[:good_pages], payloads[:good_pages * self._per_page])
         return good_pages
@@ -154,28 +184,50 @@ class PageStore:
     def stats(self) -> dict[str, float]:
         return self._counts.snapshot()
 
-    def _write_chunk(self, keys: list[str], payloads: list[np.ndarray]) -> list[bool]:
-        """Seal and put one backend call's objects; per-object success."""
+    def _write_chunk(self, keys: list[str], sealed: list[str],
+                     payloads: list[np.ndarray]) -> list[bool]:
+        """Seal (under ``sealed`` keys) and put one backend call's objects;
+        per-object success."""
         scratch = self._scratch_buffers(len(keys))
         headers = [np.empty(HEADER_BYTES, np.uint8) for _ in keys]
         bodies = self._each(len(keys), lambda i: self.codec.seal(
-            keys[i], payloads[i], headers[i], scratch[i]))
+            sealed[i], payloads[i], headers[i], scratch[i]))
         return self.backend.put(keys, [list(hb) for hb in zip(headers, bodies)])
 
-    def _read_chunk(self, keys: list[str], payloads: list[np.ndarray]) -> int:
-        """Read and open one backend call's objects; leading objects valid."""
+    def _read_chunk(self, keys: list[str], payloads: list[np.ndarray],
+                    states: list[bool]) -> int:
+        """Read and open one backend call's objects; leading objects valid
+        (their state flags appended to ``states`` for stores with
+        ``page_states``)."""
         scratch = self._scratch_buffers(len(keys))
         headers = [np.empty(HEADER_BYTES, np.uint8) for _ in keys]
         bodies = [self.codec.body(p, buf) for p, buf in zip(payloads, scratch)]
         found = self.backend.get(keys, [[h, b] for h, b in zip(headers, bodies)])
         n = next((i for i, fine in enumerate(found) if not fine), len(keys))
+        if self.page_states:
+            # Which of the two keys an object claims to be sealed under; the
+            # codec then checks that claim with everything else.
+            with_state = [header_key_digest(headers[i]) == key_digest(keys[i] + _STATE_SUFFIX[True])
+                          for i in range(n)]
+            sealed = [k + _STATE_SUFFIX[flag] for k, flag in zip(keys, with_state)]
+        else:
+            sealed = keys
         opened = self._each(n, lambda i: self.codec.open(
-            keys[i], headers[i], bodies[i], payloads[i], scratch[i]))
+            sealed[i], headers[i], bodies[i], payloads[i], scratch[i]))
         for i, ok in enumerate(opened):
             if not ok:
                 self._note_invalid(keys[i])
-                return i
+                n = i
+                break
+        if self.page_states:
+            states += with_state[:n]
         return n
+
+    def _sealed_keys(self, keys: list[str], states: Sequence[bool]) -> list[str]:
+        """The keys objects are sealed under: the object key and the page's
+        state flag (see the module doc)."""
+        n = self._per_page
+        return [k + _STATE_SUFFIX[bool(states[i // n])] for i, k in enumerate(keys)]
 
     def _note_invalid(self, key: str) -> None:
         count = self._counts.bump("invalid_objects")
