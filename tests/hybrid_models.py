@@ -19,6 +19,9 @@ MoE block of two small experts (vLLM's Qwen3-Next needs one). bfloat16, the
 only dtype vLLM's CPU GDN kernel runs. Its GDN state is one head of the
 smallest size that kernel takes, and the attention layer is wide enough per
 token that a 32-token page holds that state.
+
+``build_tiny_qwen3_next_tp2``: the same with two heads where the first has
+one (GDN key and value heads, attention KV heads), for TP=2.
 """
 
 from __future__ import annotations
@@ -43,8 +46,17 @@ QWEN3_NEXT_HEAD_DIM = 256
 
 
 def build_tiny_gemma3(out_dir: str | os.PathLike, *, num_layers: int = 4,
-                      seed: int = 0) -> Path:
-    """Write the model to ``out_dir`` once; return its path."""
+                      seed: int = 0, tie_word_embeddings: bool = True) -> Path:
+    """Write the model to ``out_dir`` once; return its path.
+
+    Tied embeddings (Gemma3's default) make it mostly repeat a token: the
+    input embedding, scaled by sqrt(hidden), dominates the residual stream,
+    so the output head scores the current token highest whatever the
+    context. ``tie_word_embeddings=False`` gives a model whose greedy
+    output follows the context (KV from far back changes it), for tests
+    that need a context-dependent answer. Give each variant its own
+    ``out_dir``: a finished build is never rebuilt.
+    """
 
     def make_model():
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -57,6 +69,7 @@ def build_tiny_gemma3(out_dir: str | os.PathLike, *, num_layers: int = 4,
                          for i in range(num_layers)],
             max_position_embeddings=2048, torch_dtype="float32",
             bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            tie_word_embeddings=tie_word_embeddings,
         )
         return _widened(Gemma3ForCausalLM(config))
 
@@ -88,7 +101,18 @@ def build_tiny_granite_hybrid(out_dir: str | os.PathLike, *, num_layers: int = 4
 def build_tiny_qwen3_next(out_dir: str | os.PathLike, *, seed: int = 0) -> Path:
     """Write the model to ``out_dir`` once; return its path. bfloat16: vLLM's
     CPU GDN kernel refuses float32 ("CPU GDN attention requires BF16")."""
+    return _build_qwen3_next(out_dir, seed, heads=1)
 
+
+def build_tiny_qwen3_next_tp2(out_dir: str | os.PathLike, *, seed: int = 0) -> Path:
+    """``build_tiny_qwen3_next`` with two GDN key heads, two GDN value heads
+    and two attention KV heads, so TP=2 splits every layer and each rank's
+    GDN state and attention page are those of the one-head model (a 32-token
+    page holds the state)."""
+    return _build_qwen3_next(out_dir, seed, heads=2)
+
+
+def _build_qwen3_next(out_dir: str | os.PathLike, seed: int, *, heads: int) -> Path:
     def make_model():
         import torch
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -99,8 +123,8 @@ def build_tiny_qwen3_next(out_dir: str | os.PathLike, *, seed: int = 0) -> Path:
             # vLLM's Qwen3-Next needs a sparse MoE block; two small experts.
             num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
             shared_expert_intermediate_size=64, mlp_only_layers=[], decoder_sparse_step=1,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=QWEN3_NEXT_HEAD_DIM,
-            linear_num_key_heads=1, linear_num_value_heads=1, linear_conv_kernel_dim=4,
+            num_attention_heads=2, num_key_value_heads=heads, head_dim=QWEN3_NEXT_HEAD_DIM,
+            linear_num_key_heads=heads, linear_num_value_heads=heads, linear_conv_kernel_dim=4,
             linear_key_head_dim=QWEN3_NEXT_LINEAR_HEAD_DIM,
             linear_value_head_dim=QWEN3_NEXT_LINEAR_HEAD_DIM,
             max_position_embeddings=2048, torch_dtype="bfloat16",

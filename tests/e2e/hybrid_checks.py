@@ -5,9 +5,16 @@ test_hybrid_qwen3next.py: Gated DeltaNet + full).
 Each module runs one reference engine (no connector) and one HiCache engine
 (L2, and L3 in files) on its model, over prompt sets named in its ``SETS``
 (``{"l2": seed, <group kind>: seed, ..., "l3": seed}``), and calls these.
+The two-turn conversations (``converse``) serve the Mamba / linear-attention
+modules with multi-block prefill chunks (test_hybrid_qwen3next.py at TP=1,
+test_hybrid_tp2.py at TP=2).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +28,8 @@ from tests.e2e.engine_utils import (
 )
 
 PROMPT_TOKENS = 200  # 6 full blocks (most outside a 64-token sliding window)
+# A conversation's second-turn question, after turn 1's prompt and answer.
+QUESTION = [7 + (i * 29) % 470 for i in range(60)]
 
 
 def prompt_set(seed: int) -> list[list[int]]:
@@ -84,15 +93,9 @@ def check_l2_hits_after_l1_eviction(engine, expected, seed: int) -> None:
 def check_corrupt_group_changes_output(engine, expected, group: str, seed: int) -> None:
     """Negative control: random bytes in one group's layers of every host
     page change the output, so that group's loaded data is used."""
-    sched = scheduler_half(engine)
     prompts, first = run_then_evict(engine, seed)
     assert first == expected
-    layers = next(g.layers for g in sched.geom.groups if g.kind == group)
-    cells = worker_half().pool.cells()  # [page, layer, ...]
-    generator = torch.Generator().manual_seed(0)
-    for layer in layers:
-        view = cells[:, layer]
-        view.copy_(torch.randn(view.shape, generator=generator, dtype=view.dtype))
+    randomize_group(worker_half(), group)
     outputs, cached = generate(engine, prompts)
     assert cached == expected_hit_tokens(prompts)
     assert outputs != expected
@@ -114,3 +117,72 @@ def check_l3_hits_equal_recomputation(engine, expected, seed: int) -> None:
     assert cached == expected_hit_tokens(prompts)
     assert sched.l3.prefetched_blocks - prefetched_before == sum(cached) // BLOCK_SIZE
     assert sched.stats.load_error_blocks == 0
+
+
+def randomize_group(worker, kind: str) -> None:
+    """Random bytes in the layers of group ``kind`` of every host page of one
+    worker half (this process's, or a TP worker's through collective_rpc)."""
+    layers = next(g.layers for g in worker.geom.groups if g.kind == kind)
+    cells = worker.pool.cells()  # [page, layer, ...]
+    generator = torch.Generator().manual_seed(0)
+    for layer in layers:
+        view = cells[:, layer]
+        view.copy_(torch.randn(view.shape, generator=generator, dtype=view.dtype))
+
+
+@dataclass
+class Conversation:
+    """Turn 1 (a 200-token prompt), then turn 2 re-sending turn 1's prompt and
+    answer plus a 60-token question."""
+
+    prompts: list[list[int]]
+    answers: list[list[int]]
+    cached2: int  # turn 2's cached tokens
+    stored: list[list[int]]  # per turn, block positions stored (HiCache engines)
+
+
+def converse(llm, seed: int, evict: str,
+             between: Callable[[], None] | None = None) -> Conversation:
+    """``evict``: "l1" fills L1 between the turns, so turn 2 can hit only L2;
+    "l2" also drops L2 (after the filler let turn 1's backups land), so turn
+    2 can hit only L3. ``between`` runs last before turn 2 (dropping caches
+    another way, a negative control's corruption)."""
+    has_connector = llm.llm_engine.vllm_config.kv_transfer_config is not None
+    sched = scheduler_half(llm) if has_connector else None
+    turn1 = prompt_set(seed)[0]
+    with stored_positions(sched) as stored1:
+        (answer1,), _ = generate(llm, [turn1])
+    if evict != "none":
+        generate(llm, filler(seed))
+    if evict == "l2":
+        assert llm.reset_prefix_cache(reset_connector=True)
+    if between is not None:
+        between()
+    turn2 = turn1 + answer1 + QUESTION
+    with stored_positions(sched) as stored2:
+        (answer2,), (cached2,) = generate(llm, [turn2])
+    return Conversation([turn1, turn2], [answer1, answer2], cached2, [stored1, stored2])
+
+
+@contextmanager
+def stored_positions(sched):
+    """Block positions the scheduler half indexes as stored pages meanwhile
+    (none without a connector)."""
+    from vllm_hicache.connector.page_ops import OpKind
+
+    seen: list[int] = []
+    if sched is None:
+        yield seen
+        return
+    insert = sched._insert_pinned
+
+    def spy(kind, chain, blocks, pages, *args, **kwargs):
+        if kind is OpKind.STORE:
+            seen.extend(blocks)
+        return insert(kind, chain, blocks, pages, *args, **kwargs)
+
+    sched._insert_pinned = spy
+    try:
+        yield seen
+    finally:
+        del sched._insert_pinned  # the class's method again

@@ -2,7 +2,8 @@
 store so that they still verify (resealed with the checksum codec, as an
 instance without storage_secret writes them) but hold other KV. An engine
 that then hits them and still answers like recomputation did not use the
-KV it loaded."""
+KV it loaded. ``reflag`` keeps an object's KV but reseals it under the other
+state flag (models with a state group: storage/pages.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from vllm_hicache.connector.l3_canary import is_canary_key
-from vllm_hicache.storage.format import HEADER_BYTES
+from vllm_hicache.storage.format import HEADER_BYTES, header_key_digest, key_digest
+from vllm_hicache.storage.pages import state_sealed_key
 from vllm_hicache.storage.sealing import ChecksumCodec
 
 
@@ -62,3 +64,27 @@ def shift_shard(root: str | Path, shard: str) -> int:
     for (key, path), (_, donor) in zip(found, found[1:]):
         _reseal(path, key, _payload(donor))
     return max(0, len(found) - 1)
+
+
+def state_flag(path: Path, key: str) -> bool:
+    """Whether the object (of a model with a state group) says its page's
+    state is valid: the key it is sealed under (storage/pages.py)."""
+    header = np.frombuffer(path.read_bytes()[:HEADER_BYTES], np.uint8)
+    return header_key_digest(header) == key_digest(state_sealed_key(key, True))
+
+
+def reflag(root: str | Path, keys, state_valid: bool) -> int:
+    """Reseal those of ``keys``' objects that say otherwise as saying
+    ``state_valid`` (same payload; they still verify); how many."""
+    found = objects(root)
+    flipped = 0
+    for key in keys:
+        path = found[key]
+        if state_flag(path, key) != state_valid:
+            payload = _payload(path)
+            _reseal(path, state_sealed_key(key, state_valid), payload)
+            header = np.frombuffer(path.read_bytes()[:HEADER_BYTES], np.uint8)
+            assert ChecksumCodec().open(state_sealed_key(key, state_valid), header, payload,
+                                        payload.copy())
+            flipped += 1
+    return flipped

@@ -27,21 +27,18 @@ reuses, with the same outputs.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.e2e.engine_utils import BLOCK_SIZE, close, generate, make_llm, scheduler_half
+from tests.e2e.engine_utils import BLOCK_SIZE, close, make_llm, scheduler_half, worker_half
 from tests.e2e.hybrid_checks import (
     check_corrupt_group_changes_output,
     check_l2_hits_after_l1_eviction,
     check_l3_hits_equal_recomputation,
-    filler,
+    converse,
     hicache_engine,
-    prompt_set,
+    randomize_group,
     reference_outputs,
 )
 
@@ -62,7 +59,6 @@ SETS = {"l2": 1, "mamba": 2, "full": 3, "l3": 4}
 # name: (seed, what is dropped between the turns: nothing, L1, or L1 and L2)
 CONVERSATIONS = {"resident": (6, "none"), "evicted": (5, "l1"), "from_l3": (7, "l2")}
 CORRUPTED = (8, "l1")  # the negative control's conversation: new to L2 and L3
-QUESTION = [7 + (i * 29) % 470 for i in range(60)]
 
 
 @pytest.fixture(scope="module")
@@ -70,74 +66,6 @@ def tiny_qwen3_next_dir() -> Path:
     from tests.hybrid_models import build_tiny_qwen3_next
 
     return build_tiny_qwen3_next(REPO / ".cache" / "tiny-qwen3-next")
-
-
-@dataclass
-class Conversation:
-    """Turn 1 (a 200-token prompt), then turn 2 re-sending turn 1's prompt and
-    answer plus a 60-token question."""
-
-    prompts: list[list[int]]
-    answers: list[list[int]]
-    cached2: int  # turn 2's cached tokens
-    stored: list[list[int]]  # per turn, block positions stored (HiCache engines)
-
-
-def converse(llm, seed: int, evict: str, corrupt: str | None = None) -> Conversation:
-    """``evict``: "l1" fills L1 between the turns, so turn 2 can hit only L2;
-    "l2" also drops L2 (after the filler let turn 1's backups land), so turn
-    2 can hit only L3. ``corrupt``: a group kind whose layers get random
-    bytes in every host page before turn 2 (negative control)."""
-    has_connector = llm.llm_engine.vllm_config.kv_transfer_config is not None
-    sched = scheduler_half(llm) if has_connector else None
-    turn1 = prompt_set(seed)[0]
-    with stored_positions(sched) as stored1:
-        (answer1,), _ = generate(llm, [turn1])
-    if evict != "none":
-        generate(llm, filler(seed))
-    if evict == "l2":
-        assert llm.reset_prefix_cache(reset_connector=True)
-    if corrupt is not None:
-        randomize_group(sched, corrupt)
-    turn2 = turn1 + answer1 + QUESTION
-    with stored_positions(sched) as stored2:
-        (answer2,), (cached2,) = generate(llm, [turn2])
-    return Conversation([turn1, turn2], [answer1, answer2], cached2, [stored1, stored2])
-
-
-def randomize_group(sched, kind: str) -> None:
-    from tests.e2e.engine_utils import worker_half
-
-    layers = next(g.layers for g in sched.geom.groups if g.kind == kind)
-    cells = worker_half().pool.cells()  # [page, layer, ...]
-    generator = torch.Generator().manual_seed(0)
-    for layer in layers:
-        cells[:, layer].copy_(torch.randn(cells[:, layer].shape, generator=generator,
-                                          dtype=cells.dtype))
-
-
-@contextmanager
-def stored_positions(sched):
-    """Block positions the scheduler half indexes as stored pages meanwhile
-    (none without a connector)."""
-    from vllm_hicache.connector.page_ops import OpKind
-
-    seen: list[int] = []
-    if sched is None:
-        yield seen
-        return
-    insert = sched._insert_pinned
-
-    def spy(kind, chain, blocks, pages, *args, **kwargs):
-        if kind is OpKind.STORE:
-            seen.extend(blocks)
-        return insert(kind, chain, blocks, pages, *args, **kwargs)
-
-    sched._insert_pinned = spy
-    try:
-        yield seen
-    finally:
-        del sched._insert_pinned  # the class's method again
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +120,6 @@ def engine(engines):
 
 
 def test_linear_attention_and_attention_groups_share_pages(engine):
-    from tests.e2e.engine_utils import worker_half
-
     sched = scheduler_half(engine)
     geom = sched.geom
     assert [g.kind for g in geom.groups] == ["mamba", "full"]
@@ -239,7 +165,7 @@ def test_multi_block_chunks_hit_up_to_the_last_kept_state(engines, reference):
         assert talk.stored == [list(range(kept)), [kept, kept + 1]], name
     # Negative control: an L2 hit like "evicted", with random states in the
     # host pages.
-    talk = converse(llm, *CORRUPTED, corrupt="mamba")
+    talk = converse(llm, *CORRUPTED, between=lambda: randomize_group(worker_half(), "mamba"))
     assert talk.cached2 == kept * BLOCK_SIZE
     assert talk.answers[0] == reference["corrupted"].answers[0]
     assert talk.answers[1] != reference["corrupted"].answers[1]

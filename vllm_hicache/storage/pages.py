@@ -83,6 +83,11 @@ def _seal_pool() -> ThreadPoolExecutor:
         return _seal_executor
 
 
+def state_sealed_key(key: str, state_valid: bool) -> str:
+    """The key an object of a store with ``page_states`` is sealed under."""
+    return key + _STATE_SUFFIX[state_valid]
+
+
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy().reshape(-1)
 
@@ -207,9 +212,11 @@ class PageStore:
         if self.page_states:
             # Which of the two keys an object claims to be sealed under; the
             # codec then checks that claim with everything else.
-            with_state = [header_key_digest(headers[i]) == key_digest(keys[i] + _STATE_SUFFIX[True])
-                          for i in range(n)]
-            sealed = [k + _STATE_SUFFIX[flag] for k, flag in zip(keys, with_state)]
+            with_state = [
+                header_key_digest(headers[i]) == key_digest(state_sealed_key(keys[i], True))
+                for i in range(n)
+            ]
+            sealed = [state_sealed_key(k, flag) for k, flag in zip(keys, with_state)]
         else:
             sealed = keys
         opened = self._each(n, lambda i: self.codec.open(
@@ -227,7 +234,7 @@ class PageStore:
         """The keys objects are sealed under: the object key and the page's
         state flag (see the module doc)."""
         n = self._per_page
-        return [k + _STATE_SUFFIX[bool(states[i // n])] for i, k in enumerate(keys)]
+        return [state_sealed_key(k, bool(states[i // n])) for i, k in enumerate(keys)]
 
     def _note_invalid(self, key: str) -> None:
         count = self._counts.bump("invalid_objects")
