@@ -3,6 +3,7 @@ fix, and the connector's start-up logging (no engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata as metadata
 import logging
 
@@ -18,7 +19,7 @@ from vllm_hicache import cli
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector import HiCacheConnector
 from vllm_hicache.connector.connector import redacted, start_line
-from vllm_hicache.connector.geometry import KVGeometry
+from vllm_hicache.connector.geometry import KVGeometry, KVGroup
 
 BLOCK = 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
@@ -185,6 +186,16 @@ def test_start_line_without_l3_and_by_size():
     cfg = HiCacheConfig.from_extra_config({"hicache_size": 0.5, "hicache_io_backend": "direct"})
     line = start_line(cfg, _geometry(), 30517)
     assert "(hicache_size=0.5 GB)" in line and "L3 off" in line and "ranks" not in line
+    assert "groups=" not in line  # one group: nothing to tell
+
+
+def test_start_line_names_hybrid_groups():
+    """A hybrid model's groups, in vLLM's order (the PD hybrid test reads
+    them to know vLLM's hybrid allocator was on, on both sides)."""
+    geom = dataclasses.replace(_geometry(), groups=(
+        KVGroup("sliding", range(0, 1), sliding_window_tokens=64), KVGroup("full", range(1, 2))))
+    cfg = HiCacheConfig.from_extra_config({"hicache_io_backend": "direct"})
+    assert " groups=sliding(64 tokens)x1+fullx1;" in start_line(cfg, geom, 128)
 
 
 @pytest.mark.parametrize("options", [

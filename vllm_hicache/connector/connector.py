@@ -145,6 +145,14 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
+def _groups(geom: KVGeometry) -> str:
+    """A hybrid model's KV cache groups, in vLLM's order: which layers a
+    page holds how (e.g. ``sliding(64 tokens)x2+fullx2``)."""
+    return "+".join(
+        (f"sliding({g.sliding_window_tokens} tokens)" if g.sliding_window_tokens else g.kind)
+        + f"x{len(g.layers)}" for g in geom.groups)
+
+
 def start_line(cfg: HiCacheConfig, geom: KVGeometry, num_pages: int, local_ranks: int = 1) -> str:
     """The one INFO line an engine logs at start: the resolved configuration."""
     page = geom.bytes_per_block
@@ -154,7 +162,8 @@ def start_line(cfg: HiCacheConfig, geom: KVGeometry, num_pages: int, local_ranks
         f"L1 {geom.num_l1_blocks} blocks x {page} B = {_size(geom.num_l1_blocks * page)} (vLLM)",
         f"L2 {num_pages} pages x {page} B = {_size(num_pages * page)} per rank"
         f"{f' x {local_ranks} ranks' if local_ranks > 1 else ''} ({l2_by})",
-        f"block_size={geom.block_size} layers={geom.num_layers} kv_dtype={geom.kv_dtype or '?'}",
+        f"block_size={geom.block_size} layers={geom.num_layers} kv_dtype={geom.kv_dtype or '?'}"
+        + (f" groups={_groups(geom)}" if geom.groups else ""),
         f"mem_layout={cfg.hicache_mem_layout} io_backend={cfg.hicache_io_backend} "
         f"load_mode={cfg.hicache_load_mode} write_policy={cfg.hicache_write_policy} "
         f"eviction={cfg.radix_eviction_policy}",
