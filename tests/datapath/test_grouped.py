@@ -5,6 +5,7 @@ left alone. CPU, direct copies; no vLLM."""
 import torch
 
 from vllm_hicache.datapath import GroupedTransfer
+from vllm_hicache.datapath.grouped import copy_bytes
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor, make_transfer
 
@@ -45,3 +46,14 @@ def test_store_then_load_moves_each_group_with_its_own_blocks():
     assert not shared[0][5].any()  # group 1's pair skipped by a group 0 layer
     transfer.load([1], [3])
     assert torch.equal(shared[1][1], original[1][1])
+
+
+def test_copy_bytes_counts_each_pair_as_its_groups_share_of_a_page():
+    _, pool, transfer = setup()
+    page = pool.bytes_per_page
+    # Two groups of two layers each: a pair moves half a page.
+    assert copy_bytes(transfer, [1, NUM_BLOCKS + 4], page) == page
+    assert copy_bytes(transfer, [NUM_BLOCKS + 2], page) == page // 2
+    assert copy_bytes(transfer.inner, [1, 2, 3], page) == 3 * page  # one group: whole pages
+    uneven = GroupedTransfer(transfer.inner, [range(0, 1), range(1, 4)], NUM_BLOCKS)
+    assert copy_bytes(uneven, [0, NUM_BLOCKS], page) == page // 4 + page * 3 // 4

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from vllm_hicache.datapath.grouped import copy_bytes
 from vllm_hicache.datapath.jobs import Load
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ class AsyncLoader:
             return
         started = self._clock.start(stream)
         self.transfer.load(block_ids, page_ids)
-        self._clock.stop(started, "load", len(block_ids) * self._page_bytes, stream)
+        self._clock.stop(started, "load", copy_bytes(self.transfer, block_ids, self._page_bytes),
+                         stream)
 
     def _submit_on_stream(self, job: Load):
         self._stream.wait_stream(torch.cuda.current_stream())

@@ -58,6 +58,15 @@ def block_view(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def copy_bytes(transfer, block_ids: Sequence[int], page_bytes: int) -> int:
+    """Bytes a store or load of ``block_ids`` moves through ``transfer``:
+    a page per block, or through a ``GroupedTransfer`` each pair's group's
+    share of a page (metrics: a page appears once per group it fills)."""
+    if isinstance(transfer, GroupedTransfer):
+        return transfer.copy_bytes(block_ids, page_bytes)
+    return len(block_ids) * page_bytes
+
+
 class GroupedTransfer:
     """A ``KVTransfer``-like engine over per-group blocks of one inner
     transfer (built over every layer, group by group, and one pool)."""
@@ -84,6 +93,12 @@ class GroupedTransfer:
             blocks.append(block)
             pages.append(page)
         return [(g, b, p) for g, (b, p) in sorted(by_group.items())]
+
+    def copy_bytes(self, block_ids: Sequence[int], page_bytes: int) -> int:
+        """Bytes the pairs of ``block_ids`` move: each its group's layers of a page."""
+        num_layers = sum(len(layers) for layers in self._groups)
+        per_pair = [page_bytes * len(layers) // num_layers for layers in self._groups]
+        return sum(per_pair[gid // self._num_l1_blocks] for gid in block_ids)
 
     def store(self, block_ids: Sequence[int], page_ids: Sequence[int]) -> None:
         for group, blocks, pages in self.split(block_ids, page_ids):

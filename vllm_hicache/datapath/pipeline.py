@@ -46,7 +46,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from vllm_hicache.datapath.async_loads import AsyncLoader
-from vllm_hicache.datapath.grouped import GroupedTransfer
+from vllm_hicache.datapath.grouped import GroupedTransfer, copy_bytes
 from vllm_hicache.datapath.jobs import NO_COPY, Copy, Load
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import DeviceKVLayout, make_transfer
@@ -261,8 +261,7 @@ class KVDataPath:
         started = self._clock.start()
         for job in self._loads:
             self._copy_layer(layer, job)
-        self._clock.stop(started, "load",
-                         self._loaded_blocks() * (self.pool.bytes_per_page // self.num_layers))
+        self._clock.stop(started, "load", self._loaded_bytes() // self.num_layers)
 
     def _queue_layer_loads(self) -> None:
         self.stream.wait_stream(torch.cuda.current_stream())
@@ -273,8 +272,7 @@ class KVDataPath:
                     self._copy_layer(layer, job)
                 # Recorded whatever failed: wait_layer needs every event.
                 self._layer_events[layer] = self._record_event()
-            self._clock.stop(started, "load", self._loaded_blocks() * self.pool.bytes_per_page,
-                             self.stream)
+            self._clock.stop(started, "load", self._loaded_bytes(), self.stream)
 
     def _finish_skipped_layers(self) -> None:
         """The forward skipped a layer hook: its KV was used unloaded. Load
@@ -291,8 +289,9 @@ class KVDataPath:
             self._fail_load(job)
         self._pending_layers.clear()
 
-    def _loaded_blocks(self) -> int:
-        return sum(len(j.copy) for j in self._loads if j.req_id not in self._failed_loads)
+    def _loaded_bytes(self) -> int:
+        return sum(copy_bytes(self._transfer, j.copy.block_ids, self.pool.bytes_per_page)
+                   for j in self._loads if j.req_id not in self._failed_loads)
 
     def _copy_layer(self, layer: int, job: Load) -> None:
         if job.req_id in self._failed_loads:
@@ -329,7 +328,7 @@ class KVDataPath:
         self._garbage_pages.difference_update(copy.page_ids)
 
     def _store_on_stream(self, copy: Copy) -> None:
-        num_bytes = len(copy) * self.pool.bytes_per_page
+        num_bytes = copy_bytes(self._transfer, copy.block_ids, self.pool.bytes_per_page)
         if self.stream is None:
             started = self._clock.start()
             self._transfer.store(copy.block_ids, copy.page_ids)
