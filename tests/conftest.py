@@ -27,7 +27,8 @@ def tiny_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_dir() -> Path:
-    """A Gemma3-like model: sliding-window and full-attention layers (hybrid)."""
+    """A Gemma3-like model: sliding-window and full-attention layers (hybrid),
+    untied embeddings so its greedy answers follow the context."""
     from tests.hybrid_models import build_tiny_gemma3
 
-    return build_tiny_gemma3(REPO / ".cache" / "tiny-gemma3")
+    return build_tiny_gemma3(REPO / ".cache" / "tiny-gemma3-untied", tie_word_embeddings=False)

@@ -37,7 +37,7 @@ from tests.e2e.pd_topology import (
     page_bytes,
     run_pd_topology,
 )
-from tests.e2e.test_serve import REPO, TEST_ARGS, metric_value
+from tests.e2e.test_serve import TEST_ARGS, metric_value
 from tests.hybrid_models import GEMMA3_SLIDING_WINDOW
 
 pytestmark = pytest.mark.engine
@@ -56,10 +56,8 @@ def serve_args() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def gemma3_dir() -> Path:
-    from tests.hybrid_models import build_tiny_gemma3
-
-    return build_tiny_gemma3(REPO / ".cache" / "tiny-gemma3-untied", tie_word_embeddings=False)
+def gemma3_dir(tiny_gemma3_dir) -> Path:
+    return tiny_gemma3_dir
 
 
 @pytest.fixture(scope="module")
