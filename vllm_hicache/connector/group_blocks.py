@@ -60,11 +60,10 @@ class GroupBlocks:
             return [BlockPage(ids[i], page) for i, page in zip(positions, pages)]
         pairs = []
         for group, ids in enumerate(group_ids):
-            wanted = (with_state if with_state is not None and group in self.mamba_groups
-                      else [True] * len(pages))
-            for i, page, want in zip(positions, pages, wanted):
+            states = with_state if group in self.mamba_groups else None
+            for k, (i, page) in enumerate(zip(positions, pages)):
                 block = ids[i]
-                if want and block != self.null_block_id:
+                if block != self.null_block_id and (states is None or states[k]):
                     pairs.append(BlockPage(self.geom.group_block_id(group, block), page))
         return pairs
 
