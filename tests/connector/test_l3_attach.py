@@ -236,7 +236,7 @@ def test_reattach_updates_policies_and_refuses_other_stores(tiny_model_dir):
     assert body["prefetch_policy"] == "timeout"
     assert body["write_policy"] == "write_through_selective"
     assert h.sched_half.l3 is planner and planner.cfg.prefetch_policy == "timeout"
-    assert h.sched_half.write_policy.name == "write_through_selective"
+    assert h.sched_half.stores.write_policy.name == "write_through_selective"
     status, body = settle(h, control(h).submit("attach", parse_attach({"backend": "file"})))
     assert status == 409 and "detach it first" in body["error"]
     status, body = settle(h, control(h).submit("attach", mem_spec(store + "-other")))

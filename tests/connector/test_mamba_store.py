@@ -77,7 +77,7 @@ def test_state_of_an_earlier_position_only_where_vllm_keys_it():
 def test_store_range_stores_attention_everywhere_and_states_where_kept():
     sched, pool, state = scheduler_and_state([0, 0, 0, 5, 7])
     pool.key(5, 3)
-    pairs = sched._store_range(state, 0, 5, done_tokens=4 * BLOCK + 20)
+    pairs = sched.stores.store_range(state, 0, 5, done_tokens=4 * BLOCK + 20, step=0)
     by_page: dict[int, list[int]] = {}
     for p in pairs:
         by_page.setdefault(p.page, []).append(p.block_id)
@@ -96,7 +96,7 @@ def test_store_range_stores_attention_everywhere_and_states_where_kept():
 def test_lookup_cuts_the_hit_at_the_last_kept_state():
     sched, pool, state = scheduler_and_state([0, 0, 0, 5, 7])
     pool.key(5, 3)
-    sched._store_range(state, 0, 5, done_tokens=4 * BLOCK + 20)
+    sched.stores.store_range(state, 0, 5, done_tokens=4 * BLOCK + 20, step=0)
     request = SimpleNamespace(block_hashes=HASHES[:5] + [b"x" * 8], request_id="q",
                               priority=0, num_tokens=6 * BLOCK)
     tokens, _ = sched.get_num_new_matched_tokens(request, 0)

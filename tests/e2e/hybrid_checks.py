@@ -174,15 +174,16 @@ def stored_positions(sched):
     if sched is None:
         yield seen
         return
-    insert = sched._insert_pinned
+    stores = sched.stores
+    insert = stores.insert_pinned
 
     def spy(kind, chain, blocks, pages, *args, **kwargs):
         if kind is OpKind.STORE:
             seen.extend(blocks)
         return insert(kind, chain, blocks, pages, *args, **kwargs)
 
-    sched._insert_pinned = spy
+    stores.insert_pinned = spy
     try:
         yield seen
     finally:
-        del sched._insert_pinned  # the class's method again
+        del stores.insert_pinned  # the class's method again

@@ -363,11 +363,11 @@ class StorageControl:
         planner.update_policy(dataclasses.replace(new, prefetch_policy=policy))
         self._set_write_policy(spec.write_policy)
         logger.info("HiCache L3: backend %r policies updated: prefetch=%s write=%s",
-                    current.backend, policy, self._sched.write_policy.name)
+                    current.backend, policy, self._sched.stores.write_policy.name)
         _answer(cmd, 200, dict(self.snapshot(), message="policies updated"))
 
     def _write_policy_problem(self, name: str | None) -> str:
-        current = self._sched.write_policy.name
+        current = self._sched.stores.write_policy.name
         if name is None or name == current or "write_back" not in (name, current):
             return ""
         return (f"hicache_write_policy cannot change from {current} to {name} at run time "
@@ -375,9 +375,9 @@ class StorageControl:
 
     def _set_write_policy(self, name: str | None) -> None:
         sched = self._sched
-        if name is None or name == sched.write_policy.name:
+        if name is None or name == sched.stores.write_policy.name:
             return
-        sched.write_policy = WritePolicy(name, 4 * sched.num_pages)
+        sched.stores.write_policy = WritePolicy(name, 4 * sched.num_pages)
         sched.cfg = dataclasses.replace(sched.cfg, hicache_write_policy=name)
 
     def on_acks(self, acks: Mapping[int, Mapping[int, str]]) -> None:
@@ -517,7 +517,7 @@ class StorageControl:
                 "timeout_per_ki_token_s": storage.prefetch_timeout_per_ki_token,
                 "timeout_max_s": storage.prefetch_timeout_max,
             },
-            "write_policy": sched.write_policy.name,
+            "write_policy": sched.stores.write_policy.name,
             "tiers": {"l2": {
                 "pages_total": tree.num_pages, "pages_used": tree.num_cached_pages,
                 "pages_pinned": tree.num_locked_pages, "pages_free": tree.num_free_pages,

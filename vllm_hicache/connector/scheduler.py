@@ -56,6 +56,7 @@ from vllm_hicache.connector.request_params import (
 )
 from vllm_hicache.connector.request_state import ReqState, track_scheduled
 from vllm_hicache.connector.stats import HiCacheStats, SchedulerReport, key
+from vllm_hicache.connector.store_planner import StorePlanner
 from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_has_block
 from vllm_hicache.connector.write_back import WriteBackCopy, WriteBackWatcher
 from vllm_hicache.host.memory import check_fits
@@ -116,7 +117,6 @@ class HiCacheScheduler:
             make_eviction_policy(cfg.radix_eviction_policy),
             on_evict=self._on_l2_evict,
         )
-        self.write_policy = WritePolicy(cfg.hicache_write_policy, 4 * self.num_pages)
         self.load_async = cfg.hicache_load_mode == "async"
         # False on a PD decode-offload instance (pd.py): NixlConnector alone loads.
         self.loads = loads_hits(cfg)
@@ -140,20 +140,23 @@ class HiCacheScheduler:
         # STORE ops of the write-backs in _evict_copies, not yet emitted.
         self._evict_ops: list[PageOp] = []
         self._block_pool = None
-        self._stored_ranges: list[PinnedRange] = []
         # The engine's start line (connector.start_line) reports the sizes.
         # Models with a state group: which pages hold a usable state.
         self.page_states = PageStates(self.num_pages) if geom.mamba_groups else None
         self.l3: StoragePlanner | None = (l3_factory(self.num_pages, self.page_states)
                                           if l3_factory else None)
+        # Per request: controls other than the defaults (request_params.py).
+        self._controls: dict[str, RequestControls] = {}
+        self.stores = StorePlanner(
+            self.tree, self.ops, self._groups,
+            WritePolicy(cfg.hicache_write_policy, 4 * self.num_pages), self.stats,
+            self.page_states, self._controls, self.block_size,
+            KVEventLog(False, self.block_size))
         # Runtime attach/detach of L3 (admin API); set by the connector.
         self.storage_control: StorageControl | None = None
-        # KV cache events (kv_events.py); the connector turns them on.
-        self.events = KVEventLog(False, self.block_size)
         self._report = SchedulerReport()
-        # Per request: controls other than the defaults (request_params.py),
-        # why its kv_transfer_params were rejected, (L2, L3) tokens of its hit.
-        self._controls: dict[str, RequestControls] = {}
+        # Per request: why its kv_transfer_params were rejected, (L2, L3)
+        # tokens of its hit.
         self._param_errors: dict[str, str] = {}
         self._hit_tiers: dict[str, tuple[int, int]] = {}
         self._param_warned_at = -_PARAM_WARN_INTERVAL_S
@@ -163,6 +166,15 @@ class HiCacheScheduler:
         # hits declined per request (blocks) until the request is admitted.
         self.load_gate = LoadGate(cfg.hicache_load_decision, geom.bytes_per_block)
         self._declined: dict[str, int] = {}
+
+    @property
+    def events(self) -> KVEventLog:
+        """KV cache events (kv_events.py); the connector turns them on."""
+        return self.stores.events
+
+    @events.setter
+    def events(self, log: KVEventLog) -> None:
+        self.stores.events = log
 
     # --- lookup and load -------------------------------------------------
 
@@ -273,7 +285,7 @@ class HiCacheScheduler:
         track_scheduled(self._reqs, scheduler_output)
         self._plan_write_backs()
         evict, self._evict_copies, self._evict_ops = self._evict_copies, [], []
-        store_pairs = self._advance_requests(scheduler_output)
+        store_pairs = self.stores.advance(self._reqs, scheduler_output, self._step)
         meta = HiCacheMetadata(
             evict_stores=merge_copies([BlockPage(c.block_id, c.page) for c in evict]),
             loads=self._step_loads,
@@ -281,131 +293,22 @@ class HiCacheScheduler:
             stores=merge_copies(store_pairs),
         )
         self._step_loads, self._step_async_loads = [], []
-        self.stats.record_store(len(evict))  # _store_range counts its pages
+        self.stats.record_store(len(evict))  # store_range counts its pages
+        stored = self.stores.take_stored_ranges()
+        backs_up = self.l3 is not None  # before a command attaches or detaches L3
         if self.storage_control is not None:  # admin commands run here, between steps
             meta.storage_command = self.storage_control.on_step(
                 len(scheduler_output.num_scheduled_tokens))
         if self.l3 is not None:
-            meta.backups = self.l3.plan_backups(self.ops, self.tree, self._stored_ranges,
-                                                self._step)
+            meta.backups = self.l3.plan_backups(self.ops, self.tree,
+                                                stored if backs_up else [], self._step)
             if self.storage_control is not None:
                 meta.backups += self.storage_control.plan_backfill(self.ops, self._step)
-            meta.prefetches = self.l3.plan_prefetches(self.tree, self._alloc_protecting,
+            meta.prefetches = self.l3.plan_prefetches(self.tree, self.stores.alloc_protecting,
                                                       self.load_gate)
-        self._stored_ranges = []
         self._step += 1
         self.load_gate.step_planned(scheduler_output, bool(meta.loads or meta.evict_stores))
         return meta
-
-    def _completed_blocks(self, state: ReqState, num_scheduled: int) -> int:
-        """Full blocks whose KV exists once this step's forward has run."""
-        done_tokens = state.num_computed_tokens + num_scheduled
-        return min(
-            len(state.request.block_hashes),
-            done_tokens // self.block_size,
-            len(state.block_ids),
-        )
-
-    def _advance_requests(self, scheduler_output: SchedulerOutput) -> list[BlockPage]:
-        """Store (or, under write-back, just remember) newly computed blocks."""
-        pairs: list[BlockPage] = []
-        block_size = self.block_size
-        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            state = self._reqs.get(req_id)
-            if state is None:
-                continue
-            planned_end = state.num_planned * block_size
-            computed = state.num_computed_tokens
-            if computed >= planned_end and computed + num_scheduled < planned_end + block_size:
-                # Most decode steps: no block completed, none recomputed.
-                continue
-            # Blocks vLLM recomputes (a failed load, a preemption) are
-            # considered again: their pages may have left L2 meanwhile.
-            lo = min(state.num_planned, state.num_computed_tokens // self.block_size)
-            hi = self._completed_blocks(state, num_scheduled)
-            if hi <= lo:
-                continue
-            store_hi = self._store_limit(req_id, lo, hi)
-            if store_hi <= lo:
-                pass
-            elif self._write_back is not None:
-                self._write_back.observe(state.request.block_hashes, lo, store_hi)
-            elif self.write_policy.stores_on_compute:
-                pairs += self._store_range(state, lo, store_hi,
-                                           state.num_computed_tokens + num_scheduled)
-            state.num_planned = hi
-        return pairs
-
-    def _store_limit(self, req_id: str, lo: int, hi: int) -> int:
-        """End of the blocks [lo, hi) the request's max_offload_tokens lets us store."""
-        controls = self._controls.get(req_id)
-        limit = controls.store_block_limit(self.block_size) if controls is not None else None
-        if limit is None or hi <= limit:
-            return hi
-        self.stats.record_store_limited(hi - max(lo, limit))
-        return limit
-
-    def _store_range(self, state: ReqState, lo: int, hi: int,
-                     done_tokens: int) -> list[BlockPage]:
-        hybrid = self._groups.hybrid
-        if self._groups.sliding_windows:
-            # A page is stored whole (every group's KV of its position) or not at all.
-            lo = max(lo, self._groups.first_intact_block(state))
-            if lo >= hi:
-                return []
-        hashes = state.request.block_hashes[:hi]
-        self.write_policy.record_use(hashes[lo:hi])
-        match = self.tree.match(hashes)
-        want = match.missing(lo, hi)
-        if hybrid:
-            want = [i for i in want if self._groups.holds_attention(state, i)]
-        want = self.write_policy.select(hashes, want)
-        if not want:
-            return []
-        pages = self._alloc_protecting(hashes, match.num_blocks, len(want), partial=True)
-        if len(pages) < len(want):
-            # Every other page is pinned: store the leading blocks we can.
-            self.stats.record_store_skipped(len(want) - len(pages))
-            want = want[: len(pages)]
-            if not want:
-                return []
-        with_state = None
-        if self.page_states is not None:
-            with_state = [self._groups.holds_states(state, i, done_tokens) for i in want]
-            self.page_states.mark(pages, with_state)
-        self._insert_pinned(OpKind.STORE, hashes[: want[-1] + 1], want, pages,
-                            state.request.priority, state.request)
-        self.stats.record_store(len(want))
-        return self._groups.pairs(state.group_block_ids, want, pages, with_state)
-
-    def _insert_pinned(self, kind: OpKind, chain, blocks: list[int], pages: list[int],
-                       priority: int, request: Request | None = None) -> PageOp:
-        """Index freshly allocated pages and pin them until their store is
-        acknowledged, before anything else in this step can allocate."""
-        new_pages: list[int | None] = [None] * len(chain)
-        for i, page in zip(blocks, pages):
-            new_pages[i] = page
-        unused = self.tree.insert(chain, new_pages, -priority)
-        assert not unused, unused  # match() said these blocks had no page
-        self.events.stored(MEDIUM_L2, chain, blocks, request)
-        rng = PinnedRange(tuple(chain), tuple(blocks), tuple(pages))
-        op = self.ops.open(kind, self._step, [rng])
-        if self.l3 is not None:
-            self._stored_ranges.append(rng)
-        return op
-
-    def _alloc_protecting(self, hashes, num_matched: int, num_pages: int,
-                          partial: bool = False) -> list[int] | None:
-        """Allocate pages without evicting the chain we are extending; with
-        ``partial``, as many as unpinned pages allow (maybe none)."""
-        lock = self.tree.lock(hashes, num_matched) if num_matched else None
-        try:
-            if partial:
-                return self.tree.alloc_up_to(num_pages)
-            return self.tree.alloc(num_pages)
-        finally:
-            if lock is not None:
-                self.tree.unlock(lock)
 
     # --- completions, lifecycle ------------------------------------------
 
@@ -538,6 +441,7 @@ class HiCacheScheduler:
             self._write_back = WriteBackWatcher(
                 block_pool, 2 * block_pool.num_gpu_blocks, on_reset=self._plan_write_backs
             )
+            self.stores.write_back = self._write_back
 
     def _plan_write_backs(self) -> None:
         if self._write_back is not None:
@@ -545,14 +449,14 @@ class HiCacheScheduler:
                 self.tree, self._alloc_write_back, self._pin_write_back)
 
     def _alloc_write_back(self, chain, num_matched: int, num_pages: int) -> list[int] | None:
-        pages = self._alloc_protecting(chain, num_matched, num_pages)
+        pages = self.stores.alloc_protecting(chain, num_matched, num_pages)
         if pages is None:  # every page pinned: this block is simply not kept
             self.stats.record_store_skipped(num_pages)
         return pages
 
     def _pin_write_back(self, chain, page: int) -> None:
-        self._evict_ops.append(
-            self._insert_pinned(OpKind.WRITE_BACK, chain, [len(chain) - 1], [page], 0))
+        self._evict_ops.append(self.stores.insert_pinned(
+            OpKind.WRITE_BACK, chain, [len(chain) - 1], [page], self._step))
 
     def _on_l2_evict(self, hashes: list[bytes]) -> None:
         self.stats.record_evict(len(hashes))
@@ -631,7 +535,7 @@ class HiCacheScheduler:
         """Drop L2 (``reset_prefix_cache(reset_connector=True)``); pinned
         pages stay until their operations end."""
         self.events.removed(MEDIUM_L2, self.tree.clear())
-        self.write_policy.clear()
+        self.stores.write_policy.clear()
         if self._write_back is not None:
             self._write_back.clear_l2()
         return True

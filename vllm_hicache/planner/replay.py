@@ -86,7 +86,7 @@ class Hierarchy:
         self._arrived: set[int] = set()
         # Requests decoding: seq -> (admission step, prompt tokens, final
         # chain, generation); each block is stored at the step that completes
-        # it (due step, generation, seq, block), as _advance_requests does.
+        # it (due step, generation, seq, block), as StorePlanner.advance does.
         self._decoding: dict[int, tuple[int, int, Chain, int]] = {}
         self._decode_due: list[tuple[int, int, int, int]] = []
         # seq -> blocks [0, n) considered for a store (ReqState.num_planned).
@@ -185,7 +185,7 @@ class Hierarchy:
         for adm, hit_end in zip(batch, hit_ends):
             rec = adm.record
             # A request admitted again (after a preemption) considers only
-            # what it recomputes (_advance_requests' lo).
+            # what it recomputes (StorePlanner.advance's lo).
             lo = min(self._planned[rec.seq], hit_end) if rec.seq in self._planned else 0
             locks += self.store(rec.chain, lo, -rec.priority)
             self._start_decode(rec, adm.final_chain)
@@ -265,7 +265,7 @@ class Hierarchy:
         self._arrived.discard(f.seq)
 
     def store(self, chain: Chain, lo: int, priority: int = 0) -> list:
-        """_store_range of blocks [lo, len(chain)), then their backup;
+        """StorePlanner.store_range of blocks [lo, len(chain)), then their backup;
         returns the lock that pins what it stored (none if nothing)."""
         if not self.write.stores_on_compute or lo >= len(chain):
             return []
