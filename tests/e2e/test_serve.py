@@ -286,6 +286,7 @@ def runs(tiny_model_dir, tmp_path_factory):
         for server in servers.values():
             server.wait_ready()
         out = {name: _serve_workload(servers[name]) for name in ("reference", "hicache")}
+        out["worker_threads"] = worker_thread_cpus(servers["hicache"].proc.pid)
         # A request HiCache cannot read its controls of: answered, not fatal.
         out["bad_params"] = servers["hicache"].complete(
             ROUND1[0], kv_transfer_params={"max_load_tokens": -1})
@@ -299,7 +300,24 @@ def runs(tiny_model_dir, tmp_path_factory):
     finally:
         for server in servers.values():
             server.stop()
-    return dict(out, l3_dir=l3_dir)
+    return dict(out, l3_dir=l3_dir, cores=(ref_core, hicache_core))
+
+
+def worker_thread_cpus(pgid: int) -> list[frozenset[int]]:
+    """The CPU affinity of every thread of the server's worker processes."""
+    cpus = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if int(stat[stat.rindex(")") + 2:].split()[2]) != pgid:
+                continue
+            if not Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
+                continue
+            cpus += [frozenset(os.sched_getaffinity(int(tid)))
+                     for tid in os.listdir(f"/proc/{pid}/task")]
+        except OSError:  # gone meanwhile
+            continue
+    return cpus
 
 
 def test_readme_config_needs_no_module_path():
@@ -345,6 +363,18 @@ def test_start_line_and_l3_objects(runs):
     assert "L3 file prefetch=wait_complete wait<=30 s threshold=32 tokens" in peer_start[0]
     # Pages were backed up to the file backend (beyond the start canary).
     assert len(list(runs["l3_dir"].rglob("*.hckv"))) > len(PREFIX) // BLOCK
+
+
+def test_io_threads_run_off_the_compute_core(runs):
+    """vLLM binds the worker's compute threads to the server's core; our
+    L3 threads move to the core vLLM leaves for the connector."""
+    other, compute = runs["cores"]
+    if other == compute:
+        pytest.skip("one allowed core: nothing to move the I/O threads to")
+    assert f"I/O threads run on CPU cores [{other}]" in runs["hicache"].log
+    threads = set(runs["worker_threads"])
+    assert frozenset({compute}) in threads, threads  # the compute threads stay
+    assert frozenset({other}) in threads, threads  # ours moved
 
 
 def test_l3_serves_another_instance(runs):

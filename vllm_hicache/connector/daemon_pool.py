@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from vllm_hicache import io_threads
+
 _STOP = object()
 
 
@@ -42,6 +44,7 @@ class DaemonPool:
         return future
 
     def _run(self) -> None:
+        io_threads.pin_current_thread()
         while True:
             item = self._queue.get()
             if item is _STOP:

@@ -176,3 +176,36 @@ def l1_block_holds(pool, block_id: int, block_hash: bytes, group: int,
         return covered is None or covered == num_tokens
     except (AttributeError, IndexError, TypeError):
         return False
+
+
+def cpu_compute_cores(vllm_config) -> set[int]:
+    """The cores vLLM's CPU backend binds the compute threads of this
+    host's ranks to (every local rank's list); empty on other platforms or
+    when binding is off (``VLLM_CPU_OMP_THREADS_BIND=nobind``).
+
+    Why: the connector's I/O threads should run elsewhere (io_threads.py).
+    vLLM computes these lists in ``OMPProcessManager`` (its "auto" mode
+    depends on NUMA and SMT layout), so we ask it rather than redo it.
+
+    Breaks if vLLM moves or renames ``vllm.utils.ompmultiprocessing
+    .OMPProcessManager`` or its ``cpu_lists``: then empty, and the I/O
+    threads stay on the compute cores (slower, never wrong).
+    """
+    try:
+        from vllm.platforms import current_platform
+        if not current_platform.is_cpu():
+            return set()
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+    except ImportError:
+        return set()
+    manager_log = logging.getLogger("vllm.utils.ompmultiprocessing")
+    level = manager_log.level
+    manager_log.setLevel(logging.ERROR)  # it logged its lists and warnings once already
+    try:
+        lists = OMPProcessManager(vllm_config).cpu_lists
+    except Exception as exc:  # noqa: BLE001 - a layout vLLM itself would reject later
+        logger.debug("HiCache: vLLM's CPU binding unknown (%s): I/O threads not moved", exc)
+        return set()
+    finally:
+        manager_log.setLevel(level)
+    return {int(cpu) for cpus in lists for cpu in cpus}

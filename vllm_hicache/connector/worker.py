@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from vllm_hicache import io_threads
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.l3_attach_worker import run_storage_command
@@ -42,6 +43,7 @@ from vllm_hicache.connector.metadata import (
     LoadJob,
 )
 from vllm_hicache.connector.stats import CopyClock, WorkerCounters, key, l3_usage_gauges
+from vllm_hicache.connector.vllm_compat import cpu_compute_cores
 from vllm_hicache.datapath import NO_COPY, Copy, KVDataPath, Load, allocate_pool
 from vllm_hicache.datapath.grouped import block_view
 from vllm_hicache.host import HostKVPool
@@ -64,6 +66,9 @@ class HiCacheWorker:
         self.geom = geom
         self.num_pages = host_num_pages(cfg, geom)
         self._vllm_config = vllm_config
+        # Before any of our threads starts: I/O off the compute cores (io_threads.py).
+        io_threads.configure(io_threads.cores_off_compute(
+            io_threads.parent_cpus(), cpu_compute_cores(vllm_config)))
         # Built by register_kv_caches.
         self.data: KVDataPath | None = None
         # L1 tensors in layer order (what the transfer reads and writes).

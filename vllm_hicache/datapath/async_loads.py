@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from vllm_hicache import io_threads
 from vllm_hicache.datapath.grouped import copy_bytes
 from vllm_hicache.datapath.jobs import Load
 
@@ -37,7 +38,9 @@ class AsyncLoader:
         self._clock = clock
         self._page_bytes = page_bytes
         self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="hicache-load") if stream is None else None
+            ThreadPoolExecutor(1, thread_name_prefix="hicache-load",
+                               initializer=io_threads.pin_current_thread)
+            if stream is None else None
         )
         # req_id -> (job, future or CUDA event)
         self._inflight: dict[str, tuple[Load, object]] = {}

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_hicache import io_threads
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.storage.base import StorageBackend
@@ -79,7 +80,8 @@ def _seal_pool() -> ThreadPoolExecutor:
     with _seal_executor_lock:
         if _seal_executor is None:
             _seal_executor = ThreadPoolExecutor(_SEAL_THREADS - 1,
-                                                thread_name_prefix="hicache-seal")
+                                                thread_name_prefix="hicache-seal",
+                                                initializer=io_threads.pin_current_thread)
         return _seal_executor
 
 

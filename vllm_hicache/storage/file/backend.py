@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vllm_hicache import io_threads
 from vllm_hicache.storage.base import Buffers, StorageBackend, StorageContext
 from vllm_hicache.storage.batching import map_slices
 from vllm_hicache.storage.buffers import total_bytes
@@ -231,7 +232,8 @@ class FileBackend(StorageBackend):
                 raise RuntimeError("file backend is closed")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.config.num_io_threads,
-                                                thread_name_prefix="hicache-file")
+                                                thread_name_prefix="hicache-file",
+                                                initializer=io_threads.pin_current_thread)
             return self._pool
 
     def _note_error(self, where: str) -> None:

@@ -1,0 +1,68 @@
+"""Which CPU cores the worker half's I/O threads run on.
+
+vLLM's CPU backend binds each worker's compute (OpenMP) threads to cores of
+their own and, when a KV connector is configured, keeps one more core per
+rank out of the compute lists for the connector's work. A new thread starts
+with the affinity of the thread that created it, so every thread the worker
+half starts (L3 reads and writes, sealing, the file backend's pool, async
+loads) would otherwise run on the compute cores and take its time from the
+forward pass: with the file L3 on a one-core engine that is several percent
+of throughput.
+
+``configure`` (worker half, once, before it starts any thread) records the
+cores left for I/O; ``pin_current_thread`` (first thing in each of those
+threads, and in the initializers of the pools they use) moves the calling
+thread there. With no such cores (a GPU platform, binding turned off, every
+allowed core computing) nothing moves. Threads of the scheduler half are
+never pinned: EngineCore is not bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+_io_cpus: frozenset[int] = frozenset()
+
+
+def configure(io_cpus: frozenset[int]) -> None:
+    """Set the cores for I/O threads started from now on (empty: leave them)."""
+    global _io_cpus
+    _io_cpus = frozenset(io_cpus)
+    if _io_cpus:
+        logger.info("HiCache: I/O threads run on CPU cores %s, off the compute cores",
+                    sorted(_io_cpus))
+
+
+def io_cpus() -> frozenset[int]:
+    return _io_cpus
+
+
+def pin_current_thread() -> None:
+    """Move the calling thread to the I/O cores, if any were configured.
+    A failure (a core taken away since) leaves the thread where it is."""
+    if not _io_cpus:
+        return
+    try:
+        os.sched_setaffinity(0, _io_cpus)  # Linux: the calling thread only
+    except (OSError, ValueError) as exc:
+        logger.debug("HiCache: could not move an I/O thread to %s: %s", sorted(_io_cpus), exc)
+
+
+def parent_cpus() -> set[int]:
+    """The cores the process that started this one may use: vLLM's CPU
+    binding narrows a worker's own main thread, and so all it starts."""
+    try:
+        return set(os.sched_getaffinity(os.getppid()))
+    except OSError:  # the parent is gone, or not ours to ask
+        return set(os.sched_getaffinity(0))
+
+
+def cores_off_compute(allowed: set[int], compute: set[int]) -> frozenset[int]:
+    """The cores of ``allowed`` no rank computes on (empty if no rank is
+    bound, or if nothing is left)."""
+    if not compute:
+        return frozenset()
+    return frozenset(allowed - compute)
