@@ -1,0 +1,155 @@
+"""A/B of source trees on the end-to-end benchmark's workloads.
+
+Starts vLLM alone and one ``hicache-l2l3`` server (``e2e/plan.py``) per
+source tree, all at once, then runs the chosen ``vllm bench serve``
+workloads of the full plan on them as ``bench_serve.py`` does (fresh caches
+before every run, the systems in a rotating order, hit tokens from
+``/metrics``), and prints req/s per run and the mean relative to vLLM.
+
+A tree is ``NAME=PATH`` (a checkout) or ``NAME=REV`` (exported from this
+repository's git into ``OUT/trees/NAME``). Each server imports the package
+from its own tree (``PYTHONPATH``; checked before it starts): the console
+script alone would import the editable install, i.e. the same code for every
+tree.
+
+    .venv/bin/python benchmarks/bench_serve_ab.py before=099ea5f after=HEAD \\
+        --workloads random-high,prefix_repetition --reps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_serve as bs  # noqa: E402
+from e2e import prom  # noqa: E402
+from e2e.plan import full_plan  # noqa: E402
+from e2e.servers import REPO, Server  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trees", nargs="+", help="NAME=PATH or NAME=REV")
+    p.add_argument("--workloads", default="random-high",
+                   help="comma-separated vllm bench serve workloads of the full plan")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", type=Path, default=REPO / ".cache" / "bench-serve-ab")
+    p.add_argument("--model", type=Path, default=REPO / ".cache" / "demo-llama")
+    return p.parse_args()
+
+
+def source_tree(name: str, where: str, out: Path) -> Path:
+    path = Path(where)
+    if path.is_dir():
+        return path.resolve()
+    tree = out / "trees" / name
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", where], cwd=REPO, capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+def check_imports_from(tree: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    where = subprocess.run(
+        [sys.executable, "-c", "import vllm_hicache.config as m; print(m.__file__)"],
+        env=env, cwd="/", capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(where).resolve().is_relative_to(tree):
+        raise SystemExit(f"{tree}: the package comes from {where}, not from the tree")
+
+
+def start(name: str, tree: Path | None, plan, core: int, out: Path, model: Path) -> Server:
+    spec = plan.server_specs()["vllm" if tree is None else "hicache-l2l3"]
+    os.environ["PYTHONPATH"] = str(tree) if tree is not None else ""
+    server = Server(spec, model, bs.SERVED_NAME, plan.block_size,
+                    bs.block_bytes(model, plan.block_size), core, out / "servers",
+                    plan.max_model_len, plan.max_num_seqs, plan.max_batched_tokens,
+                    tag=f"-{name}")
+    shutil.rmtree(server.l3_dir, ignore_errors=True)
+    server.start()  # copies the environment: PYTHONPATH as set above
+    return server
+
+
+def run_once(server: Server, system_name: str, bench, label: str, out: Path) -> dict:
+    system = next(s for s in bs.SYSTEMS if s.name == system_name)
+    bs.fresh_caches(server)
+    before = prom.parse(server.metrics())
+    result = bs.run_bench(server, system, bench, label, out)
+    bs.wait_idle(server)
+    moved = prom.delta(before, prom.parse(server.metrics()))
+    return {"req_s": result["request_throughput"], "hits": prom.hit_tokens(moved),
+            "mean_ttft_ms": result.get("mean_ttft_ms")}
+
+
+def summary(results: dict) -> str:
+    lines = []
+    for workload, by_system in results.items():
+        base = by_system.get("vllm")
+        base_mean = sum(r["req_s"] for r in base) / len(base) if base else None
+        for name, runs in by_system.items():
+            mean = sum(r["req_s"] for r in runs) / len(runs)
+            rel = f"{mean / base_mean:.3f}" if base_mean else "-"
+            l3 = [int(r["hits"].get("L3", 0)) for r in runs]
+            lines.append(f"{workload:18s} {name:10s} runs {[round(r['req_s'], 3) for r in runs]} "
+                         f"mean {mean:.3f} vs vLLM {rel} L3 hit tokens {l3}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    trees = {}
+    for arg in args.trees:
+        name, _, where = arg.partition("=")
+        if not where or name == "vllm":
+            raise SystemExit(f"bad tree {arg!r}: NAME=PATH or NAME=REV, NAME not 'vllm'")
+        trees[name] = source_tree(name, where, args.out)
+        check_imports_from(trees[name])
+    plan = full_plan(0)
+    benches = {b.name: b for b in plan.bench}
+    workloads = args.workloads.split(",")
+    unknown = [w for w in workloads if w not in benches]
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; the plan has {sorted(benches)}")
+    bs.ensure_model(args.model)
+    core = sorted(os.sched_getaffinity(0))[-1]
+    os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - {core} or {core})
+    servers = {"vllm": start("vllm", None, plan, core, args.out, args.model)}
+    servers.update((n, start(n, t, plan, core, args.out, args.model)) for n, t in trees.items())
+    results: dict = {}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+            bs.warm_up(server, plan)
+        names, turn = list(servers), 0
+        for workload in workloads:
+            for rep in range(args.reps):
+                order = names[turn % len(names):] + names[:turn % len(names)]
+                turn += 1
+                for name in order:
+                    run = run_once(servers[name], "vllm" if name == "vllm" else "hicache-l2l3",
+                                   benches[workload], f"{name}-{workload}-{rep}", args.out)
+                    results.setdefault(workload, {}).setdefault(name, []).append(run)
+                    print(f"{workload} #{rep} {name}: {run['req_s']:.3f} req/s", flush=True)
+                    (args.out / "ab.json").write_text(json.dumps(results, indent=1))
+    finally:
+        for server in servers.values():
+            server.stop()
+            shutil.rmtree(server.l3_dir, ignore_errors=True)
+    print(summary(results))
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
+    raise SystemExit(main())
