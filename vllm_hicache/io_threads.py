@@ -36,10 +36,6 @@ def configure(io_cpus: frozenset[int]) -> None:
                     sorted(_io_cpus))
 
 
-def io_cpus() -> frozenset[int]:
-    return _io_cpus
-
-
 def pin_current_thread() -> None:
     """Move the calling thread to the I/O cores, if any were configured.
     A failure (a core taken away since) leaves the thread where it is."""

@@ -135,7 +135,6 @@ class HiCacheScheduler:
         self._step_loads: list[LoadJob] = []
         self._step_async_loads: list[LoadJob] = []
         self._inflight = InflightLoads()
-        self._write_back: WriteBackWatcher | None = None
         self._evict_copies: list[WriteBackCopy] = []
         # STORE ops of the write-backs in _evict_copies, not yet emitted.
         self._evict_ops: list[PageOp] = []
@@ -438,14 +437,14 @@ class HiCacheScheduler:
         self._block_pool = block_pool
         self._groups.bind(block_pool)
         if self.cfg.hicache_write_policy == "write_back":
-            self._write_back = WriteBackWatcher(
+            self.stores.write_back = WriteBackWatcher(
                 block_pool, 2 * block_pool.num_gpu_blocks, on_reset=self._plan_write_backs
             )
-            self.stores.write_back = self._write_back
 
     def _plan_write_backs(self) -> None:
-        if self._write_back is not None:
-            self._evict_copies += self._write_back.plan(
+        write_back = self.stores.write_back
+        if write_back is not None:
+            self._evict_copies += write_back.plan(
                 self.tree, self._alloc_write_back, self._pin_write_back)
 
     def _alloc_write_back(self, chain, num_matched: int, num_pages: int) -> list[int] | None:
@@ -461,8 +460,8 @@ class HiCacheScheduler:
     def _on_l2_evict(self, hashes: list[bytes]) -> None:
         self.stats.record_evict(len(hashes))
         self.events.removed(MEDIUM_L2, hashes)
-        if self._write_back is not None:
-            self._write_back.forget(hashes)
+        if self.stores.write_back is not None:
+            self.stores.write_back.forget(hashes)
 
     def _awaits_io(self) -> bool:
         """Work only the workers or the L3 threads can finish: backups,
@@ -536,6 +535,6 @@ class HiCacheScheduler:
         pages stay until their operations end."""
         self.events.removed(MEDIUM_L2, self.tree.clear())
         self.stores.write_policy.clear()
-        if self._write_back is not None:
-            self._write_back.clear_l2()
+        if self.stores.write_back is not None:
+            self.stores.write_back.clear_l2()
         return True
