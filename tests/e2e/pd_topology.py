@@ -342,6 +342,46 @@ def run_pd_topology(model_dir: Path, tmp: Path, serve_args: list[str], page_byte
 
 # --- checks ---------------------------------------------------------------------
 
+# vLLM's per-process log prefix: "(Worker pid=1) ERROR 12-01 02:56:46 [file.py:12] ".
+_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                         r"\S+ \S+ \[[^\]]*\] ?")
+
+
+def _tracebacks(log: str) -> list[str]:
+    """Every Python traceback in ``log``, prefixes stripped, each up to and with
+    its exception line (the first unindented line after the frames)."""
+    found: list[str] = []
+    current: list[str] | None = None
+    for raw in log.splitlines():
+        line = _LOG_PREFIX.sub("", raw)
+        if line.startswith("Traceback (most recent call last)"):
+            current = [line]
+        elif current is not None:
+            current.append(line)
+            if line and not line[0].isspace():
+                found.append("\n".join(current))
+                current = None
+    if current is not None:
+        found.append("\n".join(current))
+    return found
+
+
+def _recovered_nixl_handshake(traceback: str) -> bool:
+    """vLLM's NIXL side-channel handshake gives up after a fixed 5 s receive
+    timeout (not configurable in 0.32); the request then recomputes its KV and
+    the next request handshakes again. On a loaded 2-core CI machine the
+    prefill's listener once answered too late: vLLM's behaviour, not ours,
+    and the answers are still checked against the reference."""
+    return ("in _nixl_handshake" in traceback
+            and traceback.rstrip().splitlines()[-1].startswith("zmq.error.Again"))
+
+
+def unexpected_tracebacks(log: str) -> list[str]:
+    """The tracebacks in a server's log that are not vLLM's recovered NIXL
+    handshake timeout."""
+    return [tb for tb in _tracebacks(log) if not _recovered_nixl_handshake(tb)]
+
+
 def l3_hit_tokens(metrics: str) -> float:
     return metric_value(metrics, "vllm:hicache_hit_tokens_total", tier="L3")
 
@@ -375,7 +415,8 @@ def check_decode_only_offloads(run: PDRun) -> None:
     starts = [line for line in run.logs["decode"].splitlines() if "HiCache: L1 " in line]
     assert len(starts) == 1 and "PD decode offload" in starts[0]
     for name in ("prefill", "decode", "bad_decode"):
-        assert "Traceback" not in run.logs[name], run.logs[name][-4000:]
+        unexpected = unexpected_tracebacks(run.logs[name])
+        assert not unexpected, f"{name}:\n" + "\n\n".join(unexpected)
 
 
 def check_decode_written_kv_is_used(run: PDRun) -> None:
