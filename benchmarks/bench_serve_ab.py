@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serve as bs  # noqa: E402
-from e2e import prom  # noqa: E402
+from e2e import cputime, prom  # noqa: E402
 from e2e.plan import full_plan  # noqa: E402
 from e2e.servers import REPO, Server  # noqa: E402
 
@@ -84,11 +84,14 @@ def run_once(server: Server, system_name: str, bench, label: str, out: Path) -> 
     system = next(s for s in bs.SYSTEMS if s.name == system_name)
     bs.fresh_caches(server)
     before = prom.parse(server.metrics())
+    cpu_before = cputime.snapshot(server.proc.pid)
     result = bs.run_bench(server, system, bench, label, out)
     bs.wait_idle(server)
+    cpu_s = cputime.delta(cpu_before, cputime.snapshot(server.proc.pid))
     moved = prom.delta(before, prom.parse(server.metrics()))
     return {"req_s": result["request_throughput"], "hits": prom.hit_tokens(moved),
-            "mean_ttft_ms": result.get("mean_ttft_ms")}
+            "mean_ttft_ms": result.get("mean_ttft_ms"),
+            "cpu_ms_per_req": {k: 1e3 * v / result["completed"] for k, v in cpu_s.items()}}
 
 
 def summary(results: dict) -> str:
@@ -102,6 +105,22 @@ def summary(results: dict) -> str:
             l3 = [int(r["hits"].get("L3", 0)) for r in runs]
             lines.append(f"{workload:18s} {name:10s} runs {[round(r['req_s'], 3) for r in runs]} "
                          f"mean {mean:.3f} vs vLLM {rel} L3 hit tokens {l3}")
+        lines.append(cpu_table(workload, by_system))
+    return "\n".join(lines)
+
+
+def cpu_table(workload: str, by_system: dict) -> str:
+    """CPU ms per request by process (and HiCache thread group), mean over
+    the runs with its range, per system (``cputime.py``)."""
+    keys = sorted({k for runs in by_system.values() for r in runs for k in r["cpu_ms_per_req"]})
+    lines = [f"{workload}: CPU ms per request, mean [min-max] over runs"]
+    for key in keys:
+        cells = []
+        for name, runs in by_system.items():
+            values = [r["cpu_ms_per_req"].get(key, 0.0) for r in runs]
+            cells.append(f"{name} {sum(values) / len(values):7.1f} "
+                         f"[{min(values):.1f}-{max(values):.1f}]")
+        lines.append(f"  {key:28s} " + "   ".join(cells))
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ none are configured."""
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -51,10 +52,10 @@ def test_daemon_pool_threads_run_on_the_io_cores(io_cores):
 @pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two allowed cores")
 def test_pool_initializer_pins_and_unconfigured_leaves_alone(io_cores):
     io_cores({ALLOWED[-1]})
-    with ThreadPoolExecutor(1, initializer=io_threads.pin_current_thread) as pool:
+    with ThreadPoolExecutor(1, initializer=io_threads.enter_io_thread) as pool:
         assert pool.submit(thread_affinity).result(timeout=10) == {ALLOWED[-1]}
     io_cores(set())
-    with ThreadPoolExecutor(1, initializer=io_threads.pin_current_thread) as pool:
+    with ThreadPoolExecutor(1, initializer=io_threads.enter_io_thread) as pool:
         assert pool.submit(thread_affinity).result(timeout=10) == set(ALLOWED)
 
 
@@ -65,3 +66,20 @@ def test_a_core_taken_away_leaves_the_thread_where_it_was(io_cores):
         assert pool.submit(thread_affinity).result(timeout=10) == set(ALLOWED)
     finally:
         pool.shutdown()
+
+
+def native_thread_name() -> str:
+    return open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()
+
+
+def test_pool_threads_carry_their_names_to_the_os():
+    """``top -H`` and the benchmarks' CPU accounting tell our threads apart."""
+    pool = DaemonPool(1, "hicache-l3")
+    try:
+        assert pool.submit(native_thread_name).result(timeout=10) == "hicache-l3-0"
+    finally:
+        pool.shutdown()
+    with ThreadPoolExecutor(1, thread_name_prefix="hicache-a-long-pool-name",
+                            initializer=io_threads.enter_io_thread) as executor:
+        assert executor.submit(native_thread_name).result(timeout=10) == "hicache-a-long-"
+    assert native_thread_name() != "hicache-l3-0"  # the caller keeps its own

@@ -303,9 +303,10 @@ def runs(tiny_model_dir, tmp_path_factory):
     return dict(out, l3_dir=l3_dir, cores=(ref_core, hicache_core))
 
 
-def worker_thread_cpus(pgid: int) -> list[frozenset[int]]:
-    """The CPU affinity of every thread of the server's worker processes."""
-    cpus = []
+def worker_thread_cpus(pgid: int) -> dict[str, set[frozenset[int]]]:
+    """The CPU affinities of the server's worker threads, by thread name
+    (the OS's: ours name themselves ``hicache-...``)."""
+    cpus: dict[str, set[frozenset[int]]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
@@ -313,8 +314,9 @@ def worker_thread_cpus(pgid: int) -> list[frozenset[int]]:
                 continue
             if not Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
                 continue
-            cpus += [frozenset(os.sched_getaffinity(int(tid)))
-                     for tid in os.listdir(f"/proc/{pid}/task")]
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                cpus.setdefault(name, set()).add(frozenset(os.sched_getaffinity(int(tid))))
         except OSError:  # gone meanwhile
             continue
     return cpus
@@ -372,9 +374,12 @@ def test_io_threads_run_off_the_compute_core(runs):
     if other == compute:
         pytest.skip("one allowed core: nothing to move the I/O threads to")
     assert f"I/O threads run on CPU cores [{other}]" in runs["hicache"].log
-    threads = set(runs["worker_threads"])
-    assert frozenset({compute}) in threads, threads  # the compute threads stay
-    assert frozenset({other}) in threads, threads  # ours moved
+    threads = runs["worker_threads"]
+    ours = {name: cpus for name, cpus in threads.items() if name.startswith("hicache-")}
+    assert "hicache-l3-0" in ours, threads  # the L3 pool, named for the OS
+    assert all(cpus == {frozenset({other})} for cpus in ours.values()), ours  # ours moved
+    vllms = set().union(*(cpus for name, cpus in threads.items() if name not in ours))
+    assert frozenset({compute}) in vllms, threads  # the compute threads stay
 
 
 def test_l3_serves_another_instance(runs):

@@ -44,7 +44,7 @@ class DaemonPool:
         return future
 
     def _run(self) -> None:
-        io_threads.pin_current_thread()
+        io_threads.enter_io_thread()
         while True:
             item = self._queue.get()
             if item is _STOP:

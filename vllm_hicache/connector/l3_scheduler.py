@@ -103,7 +103,7 @@ class StoragePlanner:
         self.prefetch_policy = PrefetchPolicy(
             cfg.prefetch_policy, cfg.prefetch_timeout_base, cfg.prefetch_timeout_per_ki_token,
             cfg.prefetch_timeout_max)
-        self._executor = DaemonPool(1, "hicache-l3-lookup")
+        self._executor = DaemonPool(1, "hicache-lookup")
         self._lookups: dict[str, _Lookup] = {}
         # Kept by the lookups' completion callbacks (the lookup thread), so a
         # new request or a step costs O(1), not a scan of every lookup.

@@ -39,7 +39,7 @@ class AsyncLoader:
         self._page_bytes = page_bytes
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="hicache-load",
-                               initializer=io_threads.pin_current_thread)
+                               initializer=io_threads.enter_io_thread)
             if stream is None else None
         )
         # req_id -> (job, future or CUDA event)

@@ -81,7 +81,7 @@ def _seal_pool() -> ThreadPoolExecutor:
         if _seal_executor is None:
             _seal_executor = ThreadPoolExecutor(_SEAL_THREADS - 1,
                                                 thread_name_prefix="hicache-seal",
-                                                initializer=io_threads.pin_current_thread)
+                                                initializer=io_threads.enter_io_thread)
         return _seal_executor
 
 

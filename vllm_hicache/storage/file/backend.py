@@ -233,7 +233,7 @@ class FileBackend(StorageBackend):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.config.num_io_threads,
                                                 thread_name_prefix="hicache-file",
-                                                initializer=io_threads.pin_current_thread)
+                                                initializer=io_threads.enter_io_thread)
             return self._pool
 
     def _note_error(self, where: str) -> None:
