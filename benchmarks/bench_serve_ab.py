@@ -1,10 +1,11 @@
 """A/B of source trees on the end-to-end benchmark's workloads.
 
-Starts vLLM alone and one ``hicache-l2l3`` server (``e2e/plan.py``) per
-source tree, all at once, then runs the chosen ``vllm bench serve``
+Starts vLLM alone and one ``hicache-l2l3`` server (``e2e/plan.py``; or one
+per ``--systems``) per source tree, all at once, then runs the chosen ``vllm bench serve``
 workloads of the full plan on them as ``bench_serve.py`` does (fresh caches
 before every run, the systems in a rotating order, hit tokens from
-``/metrics``), and prints req/s per run and the mean relative to vLLM.
+``/metrics``), and prints req/s per run and the mean relative to vLLM, and the CPU time
+each server's processes spent per request (``e2e/cputime.py``).
 
 A tree is ``NAME=PATH`` (a checkout) or ``NAME=REV`` (exported from this
 repository's git into ``OUT/trees/NAME``). Each server imports the package
@@ -41,6 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workloads", default="random-high",
                    help="comma-separated vllm bench serve workloads of the full plan")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--systems", default="hicache-l2l3",
+                   help="comma-separated HiCache systems of the plan to run each tree as "
+                        "(servers are then named TREE:SYSTEM)")
     p.add_argument("--out", type=Path, default=REPO / ".cache" / "bench-serve-ab")
     p.add_argument("--model", type=Path, default=REPO / ".cache" / "demo-llama")
     return p.parse_args()
@@ -68,13 +72,14 @@ def check_imports_from(tree: Path) -> None:
         raise SystemExit(f"{tree}: the package comes from {where}, not from the tree")
 
 
-def start(name: str, tree: Path | None, plan, core: int, out: Path, model: Path) -> Server:
-    spec = plan.server_specs()["vllm" if tree is None else "hicache-l2l3"]
+def start(name: str, tree: Path | None, system: str, plan, core: int, out: Path,
+          model: Path) -> Server:
+    spec = plan.server_specs()[next(s.server for s in bs.SYSTEMS if s.name == system)]
     os.environ["PYTHONPATH"] = str(tree) if tree is not None else ""
     server = Server(spec, model, bs.SERVED_NAME, plan.block_size,
                     bs.block_bytes(model, plan.block_size), core, out / "servers",
                     plan.max_model_len, plan.max_num_seqs, plan.max_batched_tokens,
-                    tag=f"-{name}")
+                    tag=f"-{name.replace(':', '-')}")
     shutil.rmtree(server.l3_dir, ignore_errors=True)
     server.start()  # copies the environment: PYTHONPATH as set above
     return server
@@ -140,11 +145,19 @@ def main() -> int:
     unknown = [w for w in workloads if w not in benches]
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; the plan has {sorted(benches)}")
+    systems = args.systems.split(",")
+    known = {s.name for s in bs.SYSTEMS} - {"vllm", "ideal"}
+    if not set(systems) <= known:
+        raise SystemExit(f"unknown systems {sorted(set(systems) - known)}; known: {sorted(known)}")
     bs.ensure_model(args.model)
     core = sorted(os.sched_getaffinity(0))[-1]
     os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - {core} or {core})
-    servers = {"vllm": start("vllm", None, plan, core, args.out, args.model)}
-    servers.update((n, start(n, t, plan, core, args.out, args.model)) for n, t in trees.items())
+    system_of = {"vllm": "vllm"}
+    for tree in trees:
+        system_of.update((tree if len(systems) == 1 else f"{tree}:{s}", s) for s in systems)
+    servers = {name: start(name, trees.get(name.split(":")[0]), system, plan, core, args.out,
+                           args.model)
+               for name, system in system_of.items()}
     results: dict = {}
     try:
         for server in servers.values():
@@ -156,8 +169,8 @@ def main() -> int:
                 order = names[turn % len(names):] + names[:turn % len(names)]
                 turn += 1
                 for name in order:
-                    run = run_once(servers[name], "vllm" if name == "vllm" else "hicache-l2l3",
-                                   benches[workload], f"{name}-{workload}-{rep}", args.out)
+                    run = run_once(servers[name], system_of[name], benches[workload],
+                                   f"{name.replace(':', '-')}-{workload}-{rep}", args.out)
                     results.setdefault(workload, {}).setdefault(name, []).append(run)
                     print(f"{workload} #{rep} {name}: {run['req_s']:.3f} req/s", flush=True)
                     (args.out / "ab.json").write_text(json.dumps(results, indent=1))

@@ -9,7 +9,8 @@ not our threads' work).
 A snapshot maps ``process/thread`` to CPU seconds (user + system):
 ``process`` is vLLM's process title (``EngineCore``, ``Worker``...; the
 server's own process is ``APIServer``), ``thread`` is ``all`` for the whole
-process (threads that ended included) or a named HiCache thread group
+process (threads that ended included), ``main`` for its main thread (in the
+worker: the forward pass's Python and our hooks in it) or a named HiCache thread group
 (``hicache-l3``: the native thread names the package sets, numbers dropped).
 Linux only.
 """
@@ -60,6 +61,8 @@ def snapshot(root_pid: int) -> dict[str, float]:
             role = _process_role(pid, root_pid)
             seconds[f"{role}/all"] = seconds.get(f"{role}/all", 0.0) + _stat_cpu_s(
                 Path(f"/proc/{pid}/stat"))
+            seconds[f"{role}/main"] = seconds.get(f"{role}/main", 0.0) + _stat_cpu_s(
+                Path(f"/proc/{pid}/task/{pid}/stat"))
             for task in Path(f"/proc/{pid}/task").iterdir():
                 name = (task / "comm").read_text().strip()
                 if name.startswith("hicache"):
