@@ -83,3 +83,17 @@ def test_pool_threads_carry_their_names_to_the_os():
                             initializer=io_threads.enter_io_thread) as executor:
         assert executor.submit(native_thread_name).result(timeout=10) == "hicache-a-long-"
     assert native_thread_name() != "hicache-l3-0"  # the caller keeps its own
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two allowed cores")
+def test_named_thread_is_named_and_stays_where_it_started(io_cores):
+    """Our control threads (admin API, access log...): named, never moved."""
+    io_cores({ALLOWED[0]})
+    seen = []
+    thread = io_threads.named_thread(lambda x: seen.append((x, native_thread_name(),
+                                                            thread_affinity())),
+                                     "hicache-test", args=(7,))
+    assert thread.daemon
+    thread.start()
+    thread.join(10)
+    assert seen == [(7, "hicache-test", set(ALLOWED))]

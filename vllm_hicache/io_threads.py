@@ -16,7 +16,8 @@ such cores (a GPU platform, binding turned off, every allowed core
 computing) nothing moves. Threads of the scheduler half are never pinned:
 EngineCore is not bound.
 
-``enter_io_thread`` also gives the OS thread its Python name (``hicache-l3-0``,
+``enter_io_thread`` also gives the OS thread its Python name, as
+``named_thread`` does for our other threads (``hicache-l3-0``,
 cut to the kernel's 15 characters), so ``top -H``, ``ps -L`` and per-thread
 CPU accounting tell our threads from vLLM's: Python 3.11 leaves every thread
 with the process title.
@@ -28,6 +29,7 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,17 @@ def enter_io_thread() -> None:
     """Name the calling thread for the OS and move it to the I/O cores."""
     _name_native_thread(threading.current_thread().name)
     _pin_current_thread()
+
+
+def named_thread(target: Callable[..., object], name: str, *, args: tuple = (),
+                 kwargs: dict | None = None) -> threading.Thread:
+    """A daemon thread (not started) that first gives the OS its name: for
+    our threads that are not pool I/O (the admin API, the access log, an L3
+    clear, the file backend's start-up probe). Named, never moved."""
+    def run() -> None:
+        _name_native_thread(name)
+        target(*args, **(kwargs or {}))
+    return threading.Thread(target=run, name=name, daemon=True)
 
 
 def _name_native_thread(name: str) -> None:

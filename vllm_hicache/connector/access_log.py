@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_hicache import io_threads
 from vllm_hicache.planner.log_format import (
     ADMIT,
     ARRIVE,
@@ -146,7 +147,7 @@ class AccessLogWriter(NullAccessLog):
         self._open(rotate_existing=True)
         self._stop = threading.Event()
         self._flush_s = flush_s
-        self._thread = threading.Thread(target=self._run, name="hicache-access-log", daemon=True)
+        self._thread = io_threads.named_thread(self._run, "hicache-log")
         self._thread.start()
 
     # --- scheduler thread: cheap, no I/O ------------------------------------

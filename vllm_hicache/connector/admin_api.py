@@ -44,6 +44,7 @@ import socket
 import threading
 from typing import Any
 
+from vllm_hicache import io_threads
 from vllm_hicache.connector.l3_attach import AttachSpec, StorageControl
 from vllm_hicache.policy.write import WRITE_POLICIES
 from vllm_hicache.storage_config import (
@@ -259,8 +260,8 @@ class AdminServer:
                                 log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="hicache-admin-api", daemon=True)
+        self._thread = io_threads.named_thread(self._server.run, "hicache-admin",
+                                               kwargs={"sockets": [sock]})
         self._thread.start()
         logger.info("HiCache admin API on %s (%s)", self.url,
                     "Authorization: Bearer key required" if self._api_key

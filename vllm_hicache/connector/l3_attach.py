@@ -62,6 +62,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm_hicache import io_threads
 from vllm_hicache.connector.l3_backfill import Backfill
 from vllm_hicache.connector.metadata import BackupJob, StorageCommand
 from vllm_hicache.connector.page_ops import OpKind, PageOps
@@ -469,7 +470,7 @@ class StorageControl:
                 done.set_result(None)
 
         self._clearing = done
-        threading.Thread(target=run, name="hicache-l3-clear", daemon=True).start()
+        io_threads.named_thread(run, "hicache-clear").start()
 
     # --- backfill ----------------------------------------------------------
 

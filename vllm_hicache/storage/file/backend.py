@@ -257,7 +257,7 @@ def _open_root(cfg: FileBackendConfig, umask: int) -> Capacity:
         except (OSError, ValueError) as err:
             outcome.append(err)
 
-    thread = threading.Thread(target=probe, name="hicache-file-probe", daemon=True)
+    thread = io_threads.named_thread(probe, "hicache-probe")
     thread.start()
     thread.join(_STARTUP_TIMEOUT_S)
     if not outcome:
