@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import defaultdict
 from pathlib import Path
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -55,22 +56,20 @@ def snapshot(root_pid: int) -> dict[str, float]:
     """CPU seconds so far of the server whose main process is ``root_pid``
     and of everything it started. Processes that exit between two snapshots
     drop out (vLLM's stay for the server's life)."""
-    seconds: dict[str, float] = {}
+    seconds: defaultdict[str, float] = defaultdict(float)
     for pid in _descendants(root_pid):
         try:
             role = _process_role(pid, root_pid)
-            seconds[f"{role}/all"] = seconds.get(f"{role}/all", 0.0) + _stat_cpu_s(
-                Path(f"/proc/{pid}/stat"))
-            seconds[f"{role}/main"] = seconds.get(f"{role}/main", 0.0) + _stat_cpu_s(
-                Path(f"/proc/{pid}/task/{pid}/stat"))
+            seconds[f"{role}/all"] += _stat_cpu_s(Path(f"/proc/{pid}/stat"))
+            seconds[f"{role}/main"] += _stat_cpu_s(Path(f"/proc/{pid}/task/{pid}/stat"))
             for task in Path(f"/proc/{pid}/task").iterdir():
                 name = (task / "comm").read_text().strip()
                 if name.startswith("hicache"):
-                    key = f"{role}/{_THREAD_NUMBER.sub('', name)}"
-                    seconds[key] = seconds.get(key, 0.0) + _stat_cpu_s(task / "stat")
+                    seconds[f"{role}/{_THREAD_NUMBER.sub('', name)}"] += _stat_cpu_s(
+                        task / "stat")
         except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
             continue
-    return seconds
+    return dict(seconds)
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
