@@ -58,11 +58,11 @@ from tests.e2e.test_serve import (
     CLI,
     REPO,
     Server,
-    _free_ports,
     _signal_group,
     metric_value,
     wait_healthy,
 )
+from tests.ports import free_ports
 
 ROUTER = CLI.with_name("vllm-router")
 BLOCK = 32
@@ -171,9 +171,7 @@ class Router:
         argv = readme_router_argv()
         assert argv[0] == "vllm-router"
         argv = [str(ROUTER)] + argv[1:]
-        # Picked just before it binds them: the servers' own ephemeral binds
-        # could take ports picked at the start of the module.
-        port, prometheus_port = _free_ports(2)
+        port, prometheus_port = free_ports(2)
         for flag, value in (("--prefill", prefill.url), ("--decode", decode.url),
                             ("--port", str(port))):
             argv[argv.index(flag) + 1] = value
@@ -284,7 +282,7 @@ def run_pd_topology(model_dir: Path, tmp: Path, serve_args: list[str], page_byte
     l3_dir = tmp / "l3"
     configs = readme_pd_configs()
     cores = sorted(os.sched_getaffinity(0))
-    ports = _free_ports(7)
+    ports = free_ports(7)
 
     def serve(name: str, port: int, core: int, config: str | None, *extra: str) -> Server:
         argv = [str(CLI), "serve", str(model_dir)] + serve_args + list(extra)

@@ -28,7 +28,8 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.test_serve import BLOCK, CLI, TEST_ARGS, Server, _cores, _free_ports
+from tests.e2e.test_serve import BLOCK, CLI, TEST_ARGS, Server, _cores
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.engine
 
@@ -102,7 +103,7 @@ def admin(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("admin")
     (tmp / "admin.key").write_text(KEY + "\n")
     (tmp / "l3.secret").write_text("s3cr3t-" * 6 + "\n")
-    api_port, admin_port = _free_ports(2)
+    api_port, admin_port = free_ports(2)
     extra = {
         "hicache_storage_backend": "file",
         "hicache_storage_prefetch_policy": "wait_complete",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_serve import _free_ports
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.engine
 
@@ -42,7 +42,7 @@ def _read_until_ready(proc, out_path: Path) -> str:
 
 
 def test_make_serve(tiny_model_dir, tmp_path):
-    port, admin_port = _free_ports(2)
+    port, admin_port = free_ports(2)
     out_path = tmp_path / "out.txt"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_CPU_OMP_THREADS_BIND"] = str(max(os.sched_getaffinity(0)))

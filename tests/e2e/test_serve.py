@@ -27,7 +27,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.engine
 
@@ -98,10 +99,17 @@ def _no_proxy_opener():
     return urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+# What Python prints when a thread dies of an exception (threading.excepthook):
+# a server whose listener thread died (a port it could not bind) may never
+# answer, or answer without the part that died.
+THREAD_DIED = "Exception in thread "
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, name: str, timeout_s: float,
-                 log_tail, interval_s: float = 0.5) -> None:
+                 log_tail, interval_s: float = 0.5, log_text=None) -> None:
     """Poll ``url``/health until it answers 200; fail the test (with
-    ``log_tail()``) if ``proc`` exits first or ``timeout_s`` passes."""
+    ``log_tail()``) if ``proc`` exits first, if ``log_text()`` (when given)
+    shows one of its threads died, or if ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     opener = _no_proxy_opener()
     for _ in range(int(timeout_s / interval_s) + 1):
@@ -109,6 +117,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, name: str, timeout_s: float,
             break
         if proc.poll() is not None:
             pytest.fail(f"{name} exited ({proc.returncode}):\n{log_tail()}")
+        if log_text is not None and THREAD_DIED in log_text():
+            pytest.fail(f"{name}: a thread died while starting:\n{log_tail()}")
         try:
             with opener.open(f"{url}/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -145,7 +155,8 @@ class Server:
                                          cwd=REPO, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        wait_healthy(self.url, self.proc, f"{self.name} server", timeout_s, self.log_tail)
+        wait_healthy(self.url, self.proc, f"{self.name} server", timeout_s, self.log_tail,
+                     log_text=self.log)
 
     def stop(self) -> None:
         """SIGTERM the process group (API server, engine core, workers), then SIGKILL."""
@@ -231,20 +242,6 @@ def _serve_workload(server: Server) -> Run:
     return Run(round1, flood, round2, hits, server.log(), metrics)
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (held open together while picked)."""
-    socks = []
-    try:
-        for _ in range(n):
-            sock = socket.socket()
-            socks.append(sock)
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def _cores() -> tuple[int, int]:
     cores = sorted(os.sched_getaffinity(0))
     return cores[0], cores[-1]
@@ -268,7 +265,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     readme = _argv(tiny_model_dir)
     i = readme.index("--kv-transfer-config")
     ref_core, hicache_core = _cores()
-    ports = _free_ports(3)
+    ports = free_ports(3)
     servers = {
         "reference": Server("reference", readme[:i] + readme[i + 2:] + TEST_ARGS,
                             tmp / "reference.log", ref_core, ports[0]),

@@ -1,9 +1,6 @@
-"""Free loopback ports for the servers the storage tests start."""
+"""Free loopback ports for the servers the storage tests start (tests/ports.py
+says why they are picked outside the ephemeral range)."""
 
-import socket
+from tests.ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]
