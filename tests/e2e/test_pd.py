@@ -3,7 +3,7 @@ vllm-router, on the tiny Llama (full attention, float32).
 
 The topology, the conversation and the checks are pd_topology.py's: a
 reference server without any connector, a prefill and a decode server with
-the README's two ``--kv-transfer-config``s, vllm-router in front (started
+docs/pd.md's two ``--kv-transfer-config``s, vllm-router in front (started
 once per module; the module takes about 100 s on 2 busy cores). Checked: a two-turn
 conversation through the router equals the reference; turn 2's prefill hits
 in L3 the blocks only decode computed; decode never looks up or loads; and
