@@ -194,6 +194,8 @@ class MooncakeBackend(StorageBackend):
 
     def _staging_area(self) -> StagingArea:
         with self._lock:
+            if self._closed:  # a call that outlived close()'s wait: a miss
+                raise RuntimeError("mooncake backend is closed")
             if self._staging is None:
                 self._staging = StagingArea(self.config.staging_pages, self._slot_bytes,
                                             self._register)
