@@ -1,8 +1,10 @@
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +19,7 @@ def test_keys_are_safe_and_deterministic():
     keys = NS.object_keys([b"\x01\x02", b"\xff"])
     assert keys == NS.object_keys([b"\x01\x02", b"\xff"])
     assert all(set(k) <= set("abcdefghijklmnopqrstuvwxyz0123456789-") for k in keys)
-    assert keys[0].startswith("hc3-")
+    assert keys[0].startswith("hc4-")
     assert keys[0].endswith("-r0-0102")
 
 
@@ -27,6 +29,8 @@ def test_keys_are_safe_and_deterministic():
     # Same layout name, other device block order (page_first_direct NHD vs HND).
     ("page_format", "2B[layer2:256 token8:32 head2:16 plane2:8 elem8:1]"),
     ("model_version", "v2"), ("weights_fingerprint", "e" * 32), ("pp_size", 2),
+    # Online quantization, hf_overrides (l3_identity.weights_options).
+    ("quantization", '{"config":null,"method":"fp8"}'), ("hf_overrides", '{"rope_theta":1}'),
     # Another storage secret's tag, or encryption on (keys.py: protection).
     ("protection", "mac:0123456789abcdef"), ("protection", "aead:0123456789abcdef"),
 ])
@@ -82,8 +86,9 @@ def _golden_tag() -> str:
     import json
 
     ident = json.dumps(["org/model", "", "f" * 32, "bfloat16", "page_first",
-                        "2B[plane2:256 token8:32 layer2:16 head2:8 elem8:1]", 32, 2, 1, 0, ""])
-    return f"hc3-{hashlib.sha256(ident.encode()).hexdigest()[:16]}-r0"
+                        "2B[plane2:256 token8:32 layer2:16 head2:8 elem8:1]", 32, 2, 1, 0, "",
+                        "", ""])
+    return f"hc4-{hashlib.sha256(ident.encode()).hexdigest()[:16]}-r0"
 
 
 def test_tag_is_equal_across_processes_and_hash_seeds():
@@ -204,3 +209,91 @@ def test_storage_config_derives_the_name_key_from_the_secret():
     assert len(key) == 32 and secret.encode() not in key
     assert key == cfg(storage_secret=secret).object_name_key
     assert key != cfg(storage_secret="t" * 32).object_name_key
+
+
+# --- weight options: online quantization and hf_overrides (l3_identity) ------
+
+
+def model_config(**fields) -> SimpleNamespace:
+    return SimpleNamespace(model="org/model", revision=None, **fields)
+
+
+def ns_of(config, **kwargs) -> KeyNamespace:
+    """The namespace l3_setup.namespace builds for ``config``."""
+    from tests.conftest import make_config
+    from vllm_hicache.connector.geometry import KVGeometry
+    from vllm_hicache.connector.l3_setup import namespace
+
+    vllm_config = SimpleNamespace(
+        model_config=config,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1))
+    geom = KVGeometry(block_size=16, layer_names=("l0",), bytes_per_block=0, num_l1_blocks=4,
+                      num_kv_heads=2, head_size=8, is_mla=False, kv_dtype="bfloat16")
+    return namespace(make_config(model_version="v1"), geom, vllm_config, 0, page_format="x",
+                     **kwargs)
+
+
+@pytest.mark.parametrize("a, b", [
+    # --quantization fp8 of a bf16 checkpoint vs none.
+    ({}, {"quantization": "fp8"}),
+    ({"quantization": "fp8"}, {"quantization": "int8"}),
+    # The same method with another per-layer config.
+    ({"quantization": "fp8", "quantization_config": {"ignore": ["lm_head"]}},
+     {"quantization": "fp8", "quantization_config": {"ignore": []}}),
+    ({}, {"hf_overrides": {"rope_theta": 500000.0}}),
+    ({"hf_overrides": {"rope_theta": 500000.0}}, {"hf_overrides": {"rope_theta": 1000000.0}}),
+    ({"hf_overrides": {"text_config": {"num_layers": 2}}},
+     {"hf_overrides": {"text_config": {"num_layers": 3}}}),
+])
+def test_quantization_and_hf_overrides_change_the_namespace(a, b):
+    """Instances sharing a store (and a secret) that load the weights
+    differently must never share keys."""
+    first, second = ns_of(model_config(**a)), ns_of(model_config(**b))
+    assert first.tag != second.tag
+    assert first.object_keys([b"x"]) != second.object_keys([b"x"])
+
+
+def test_equal_weight_options_give_equal_namespaces():
+    from vllm.config.quantization import QuantizationConfigArgs
+
+    one = model_config(quantization="fp8", quantization_config=QuantizationConfigArgs(
+                           ignore=["lm_head"]),
+                       hf_overrides={"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "f": 4}})
+    two = model_config(quantization="fp8", quantization_config=QuantizationConfigArgs(
+                           ignore=["lm_head"]),
+                       hf_overrides={"rope_scaling": {"f": 4, "type": "yarn"}, "rope_theta": 1e6})
+    assert ns_of(one).tag == ns_of(two).tag
+    assert ns_of(one).quantization == (
+        '{"config":{"ignore":["lm_head"],"linear":null,"moe":null,"targets":null},'
+        '"method":"fp8"}')
+    assert ns_of(one).hf_overrides == (
+        '{"rope_scaling":{"f":4,"type":"yarn"},"rope_theta":1000000.0}')
+    # Unset, vLLM's default (an empty dict) and absent are all "not at all".
+    plain = [model_config(), model_config(quantization=None, hf_overrides={}),
+             model_config(quantization=None, quantization_config=None, hf_overrides=None)]
+    assert {(ns.quantization, ns.hf_overrides, ns.tag) for ns in map(ns_of, plain)} == {
+        ("", "", ns_of(plain[0]).tag)}
+
+
+def test_weight_options_that_are_not_plain_data_are_refused():
+    with pytest.raises(ValueError, match=r"hf_overrides\.rope_scaling\.f .*type object is not"):
+        ns_of(model_config(hf_overrides={"rope_scaling": {"f": object()}}))
+    with pytest.raises(ValueError, match="hf_overrides in the L3 key namespace: its keys must"):
+        ns_of(model_config(hf_overrides={1: "one"}))
+    with pytest.raises(ValueError, match=r"quantization\.config"):
+        ns_of(model_config(quantization="fp8", quantization_config={"x": float("nan")}))
+
+
+def test_a_callable_hf_overrides_is_named_and_warned_about(caplog):
+    def shorter(config):
+        return config
+
+    def longer(config):
+        return config
+
+    with caplog.at_level(logging.WARNING, "vllm_hicache.connector.l3_identity"):
+        named = ns_of(model_config(hf_overrides=shorter), log=True)
+    assert "shorter" in named.hf_overrides and named.hf_overrides.startswith('{"callable":')
+    assert "hf_overrides is a function" in caplog.text and "model_version" in caplog.text
+    assert named.tag != ns_of(model_config(hf_overrides=longer)).tag
+    assert named.tag == ns_of(model_config(hf_overrides=shorter)).tag

@@ -9,19 +9,21 @@ salted or LoRA requests never share pages by accident.
 Invariant (L3): an object key names everything that decides the object's
 bytes besides the tokens, so two instances whose bytes for the same tokens
 could differ never share a key: the weights (model name and revision, plus
-``model_version`` or a fingerprint of the weight files), the KV dtype, the
+``model_version`` or a fingerprint of the weight files, plus the options
+that change them when vLLM loads them: online quantization and
+``hf_overrides``), the KV dtype, the
 host layout and the exact byte order of a page's payload, the block size,
 the TP and PP sharding and this shard's ranks. It also names how objects
 are sealed: with a storage secret, its one-way tag (never the secret), so
 instances with different secrets, or none, never look up each other's
 objects. The format::
 
-    hc3-<D>-<shard>-<block name>
+    hc4-<D>-<shard>-<block name>
 
     D      16 hex of sha256 over the JSON list [model, model_version,
            weights_fingerprint, kv_dtype, mem_layout, page_format,
            block_size, tp_size (or "mla", or "slices:<n>"), pp_size,
-           pp_rank, protection]
+           pp_rank, protection, quantization, hf_overrides]
     shard  r<tp_rank>, or p<pp_rank>r<tp_rank> when pp_size > 1; MLA keeps
            one copy for all TP ranks: "mla" (p<pp_rank>mla); with head
            slices: s<slice> (p<pp_rank>s<slice>)
@@ -39,8 +41,10 @@ Tenants: vLLM folds a request's ``cache_salt`` into its first block's hash,
 and the chain carries it into every later one, so requests with different
 salts have different block hashes, hence different L2 pages and L3 keys.
 
-``hc1`` keys (before the byte order and weights were named) and ``hc2`` keys
-(object format 1, before the sealing was named) are never read.
+``hc1`` keys (before the byte order and weights were named), ``hc2`` keys
+(object format 1, before the sealing was named) and ``hc3`` keys (before
+quantization and ``hf_overrides`` were named: an instance quantizing online
+wrote under the same keys as one that did not) are never read.
 Pure module: no torch, no vllm.
 """
 
@@ -78,7 +82,7 @@ def loadable_block_limit(num_tokens: int, block_size: int) -> int:
 
 
 # Bump when the meaning of an object's bytes changes for the same fields.
-KEY_VERSION = "hc3"
+KEY_VERSION = "hc4"
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,12 @@ class KeyNamespace:
     model_version: str = ""
     # Cheap digest of the weight files when model_version is not given.
     weights_fingerprint: str = ""
+    # How vLLM transforms the weights as it loads them, canonical JSON ("" =
+    # not at all; connector/l3_identity.weights_options): the quantization
+    # method and config (e.g. online --quantization fp8 of a bf16
+    # checkpoint), and hf_overrides (changed config.json values).
+    quantization: str = ""
+    hf_overrides: str = ""
     pp_size: int = 1
     pp_rank: int = 0
     # How objects are sealed (StorageConfig.key_protection): "" = checksums
@@ -203,6 +213,7 @@ class KeyNamespace:
             self.model, self.model_version, self.weights_fingerprint, self.kv_dtype,
             self.mem_layout, self.page_format, self.block_size,
             self._sharding(), self.pp_size, self.pp_rank, self.protection,
+            self.quantization, self.hf_overrides,
         ])
         digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
         if self.is_mla:

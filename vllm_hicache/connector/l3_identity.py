@@ -33,14 +33,29 @@ per file, and is equal for equal copies on different hosts whatever their
 mtimes (multi-host TP ranks must derive the scheduler's keys); sampling can
 miss an in-place edit of a few tensors, which is what model_version is for.
 A hub id without a local directory is identified by name and revision only.
+
+Weight options: what vLLM does to the weights as it loads them also decides
+the KV, so it is named too (``weights_options``): the quantization method and
+its config (``--quantization``, ``quantization_config``) and
+``hf_overrides``, each as canonical JSON (sorted keys, no whitespace, enums
+by value, dataclasses as their fields), so equal settings give equal keys in
+every process whatever the order they were written in. A value that is not
+plain data cannot be named: the namespace refuses it (ValueError). A
+callable ``hf_overrides`` (Python API only) is named by its qualified name:
+what it does is not seen, which is what model_version is for.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
 import logging
+import math
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from vllm.platforms import current_platform
@@ -240,3 +255,55 @@ def weights_identity(cfg: HiCacheConfig, model_config, log: bool) -> str:
 
 def model_ident(model_config) -> str:
     return model_config.model + (f"@{model_config.revision}" if model_config.revision else "")
+
+
+# --- weight options -----------------------------------------------------------
+
+
+def weights_options(model_config, log: bool) -> tuple[str, str]:
+    """(quantization, hf_overrides) as the key namespace names them
+    (KeyNamespace's fields of those names): canonical JSON, "" when unset."""
+    method = getattr(model_config, "quantization", None)
+    config = getattr(model_config, "quantization_config", None)
+    quantization = "" if method is None and config is None else _canonical(
+        {"method": method, "config": config}, "quantization")
+    overrides = getattr(model_config, "hf_overrides", None)
+    if callable(overrides):
+        name = (f"{getattr(overrides, '__module__', '?')}."
+                f"{getattr(overrides, '__qualname__', type(overrides).__qualname__)}")
+        if log:
+            logger.warning(
+                "HiCache L3: hf_overrides is a function (%s): L3 keys name it, not what it "
+                "does. Change model_version in kv_connector_extra_config when you change "
+                "what it does.", name)
+        return quantization, _canonical({"callable": name}, "hf_overrides")
+    return quantization, _canonical(overrides, "hf_overrides") if overrides else ""
+
+
+def _canonical(value: Any, option: str) -> str:
+    return json.dumps(_plain(value, option), sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True, allow_nan=False)
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as JSON data, the same for equal settings; ValueError
+    naming ``where`` (the option and the path in it) for anything else."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    if isinstance(value, enum.Enum):
+        return _plain(value.value, where)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name), f"{where}.{f.name}")
+                for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise ValueError(f"cannot name {where} in the L3 key namespace: its keys must be "
+                             f"strings, got {sorted(map(repr, value))[:4]}")
+        return {k: _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise ValueError(f"cannot name {where} in the L3 key namespace: a value of type "
+                     f"{type(value).__name__} is not plain data (use JSON values: strings, "
+                     "finite numbers, booleans, lists, objects)")

@@ -33,6 +33,7 @@ from vllm_hicache.connector.l3_identity import (
     model_ident,
     pool_page_format,
     weights_identity,
+    weights_options,
 )
 from vllm_hicache.connector.l3_scheduler import StoragePlanner
 from vllm_hicache.connector.l3_worker import StorageIO
@@ -121,6 +122,7 @@ def namespace(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, tp_rank: int,
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     slicing = head_slicing(cfg, geom, vllm_config)
+    quantization, hf_overrides = weights_options(model, log)
     if page_format is None:
         page_format = expected_page_format(
             cfg, geom, vllm_config, num_layers=stage_num_layers(geom, vllm_config, pp_rank),
@@ -130,6 +132,7 @@ def namespace(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, tp_rank: int,
         block_size=geom.block_size, tp_size=parallel.tensor_parallel_size, tp_rank=tp_rank,
         is_mla=geom.is_mla, page_format=page_format, model_version=cfg.model_version,
         weights_fingerprint=weights_identity(cfg, model, log),
+        quantization=quantization, hf_overrides=hf_overrides,
         pp_size=parallel.pipeline_parallel_size, pp_rank=pp_rank,
         protection=cfg.storage.key_protection if cfg.storage is not None else "",
         name_key=cfg.storage.object_name_key if cfg.storage is not None else b"",

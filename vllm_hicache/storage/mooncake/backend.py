@@ -1,22 +1,22 @@
 """L3 backend on Mooncake Store (``mooncake.store.MooncakeDistributedStore``).
 
 On-store format: one Mooncake object per L3 object, under the object key as
-it is (``hc3-...``, keys.py); its bytes are the concatenation of the caller's buffers
-(header + payload, storage/format.py), written by one
-``batch_put_from_multi_buffers`` (a scatter/gather put) and read by one
-``batch_get_into_multi_buffers``. Mooncake publishes an object only once all
-its bytes are written, and ``put`` of an existing key keeps the old object
+it is (``hc4-...``, keys.py); its bytes are the concatenation of the caller's buffers
+(header + payload, storage/format.py), written by ``batch_put_from`` and
+read by ``batch_get_into``. Mooncake publishes an object only once all its
+bytes are written, and ``put`` of an existing key keeps the old object
 (it does not overwrite), so readers never see a partial object. Eviction is
 Mooncake's (oldest leases first, when a daemon's segment is full); a full
 store rejects puts with NO_AVAILABLE_HANDLE (-200): a skipped write.
 
-Data path: zero copy from/into registered memory (the host pool, via
-``register_memory``); every other buffer (the 64-byte headers) is copied
-through a registered staging buffer (memory.py). Why multi-buffer
-calls rather than staging whole objects for ``batch_put_from``: over TCP
-loopback a second slice per object costs the engine 10-35% against one
-contiguous slice, and a staging copy of the whole object cost as much on the
-2-core test VM, while RDMA makes extra slices nearly free and copies not.
+Data path: every object is copied through the registered staging area
+(memory.py), the only memory this process registers with Mooncake: into a
+slot before a put, out of it after a get. The host pool is deliberately not
+registered (``register_memory`` does nothing): Mooncake's transfer engine
+serves registered memory to any peer that reaches its port, and its
+listeners cannot be bound to one interface (listeners.py). In a slot an
+object is one contiguous run, so it moves with ``batch_put_from`` /
+``batch_get_into`` (one slice per object, Mooncake's cheapest call).
 
 Results: put is True iff rc == 0; get is True iff rc == the expected length
 (Mooncake returns the bytes read, or a negative code: -704 not found, -800
@@ -38,7 +38,6 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -47,13 +46,17 @@ from vllm_hicache.storage.base import Buffers, StorageBackend, StorageContext
 from vllm_hicache.storage.buffers import address
 from vllm_hicache.storage.counters import Counters
 from vllm_hicache.storage.log_throttle import LogThrottle
+from vllm_hicache.storage.mooncake import listeners
 from vllm_hicache.storage.mooncake.config import MooncakeConfig
 from vllm_hicache.storage.mooncake.master import OutageGate, connect, import_store
 from vllm_hicache.storage.mooncake.memory import (
-    ChunkPlan,
-    RegisteredRegions,
-    ScratchLeases,
-    plan_chunks,
+    LEASE_WAIT_S,
+    Chunk,
+    StagingArea,
+    fits,
+    object_lengths,
+    plan_chunk,
+    slot_bytes_for,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,8 +70,7 @@ _OUR_KEYS = "^hc[0-9]+-"
 _CLOSE_WAIT_S = 10.0
 _COUNTERS = (
     "exists_calls", "get_keys", "get_hits", "put_keys", "put_ok", "put_full",
-    "bytes_read", "bytes_written", "direct_bytes", "staged_bytes", "errors",
-    "outage_skips",
+    "bytes_read", "bytes_written", "staged_bytes", "errors", "outage_skips",
 )
 
 
@@ -82,24 +84,36 @@ class MooncakeBackend(StorageBackend):
         self.config = MooncakeConfig.from_options(options)
         self.ctx = ctx
         store_cls = import_store()
-        self._regions = RegisteredRegions()
-        # Buffers registered with Mooncake (kept alive until close()).
-        self._registered: list[np.ndarray] = []
-        capacity = max(self.config.staging_bytes, ctx.object_bytes + 256)
-        self._staging = ScratchLeases(capacity, self._register)
         self._gate = OutageGate(self.config.outage_backoff_s)
         self._counts = Counters(*_COUNTERS)
         self._error_log = LogThrottle()
-        # Guards _closed and _in_flight (close() waits for calls in flight).
+        self._pool_noted = False
+        # Guards _closed, _in_flight and _staging (close() waits for calls in
+        # flight).
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._closed = False
+        self._staging: StagingArea | None = None
+        self._slot_bytes = slot_bytes_for(ctx.object_bytes)
+        before = listeners.listening_sockets()
         self._store = connect(store_cls, self.config)
+        # What Mooncake's setup() started listening on (every interface).
+        self.engine_listeners = listeners.listening_sockets() - before
+        listeners.report(self.engine_listeners, self.config.local_hostname,
+                         self.config.staging_pages * self._slot_bytes)
+        try:
+            # The scheduler half only asks what exists: it registers nothing.
+            if ctx.role != "scheduler":
+                self._staging_area()
+        except BaseException:
+            self._store.close()
+            raise
         logger.info(
-            "mooncake L3: master %s, %s, metadata %s, segment %d B, staging %d B (%s)",
-            self.config.master_server_address, self.config.protocol,
-            self.config.metadata_server, self.config.global_segment_size, capacity, ctx.role,
+            "mooncake L3: master %s, %s, metadata %s, segment %d B, staging %d pages x %d B "
+            "(%s)", self.config.master_server_address, self.config.protocol,
+            self.config.metadata_server, self.config.global_segment_size,
+            self.config.staging_pages, self._slot_bytes, ctx.role,
         )
 
     # --- the interface ------------------------------------------------------
@@ -121,14 +135,11 @@ class MooncakeBackend(StorageBackend):
         return results
 
     def register_memory(self, region: np.ndarray) -> None:
-        if self._closed or not region.nbytes or self._regions.covers(region):
-            return
-        if region.flags.c_contiguous and self._register(region):
-            self._regions.add(address(region), region.nbytes)
-            logger.info("mooncake L3: registered %d B of host memory (zero copy)", region.nbytes)
-        else:
-            logger.warning("mooncake L3: could not register %d B of host memory; "
-                           "its pages are copied through staging", region.nbytes)
+        # Deliberately not registered (module docstring): say so once.
+        if not self._pool_noted and region.nbytes:
+            self._pool_noted = True
+            logger.info("mooncake L3: the %d-byte host pool is not registered with Mooncake; "
+                        "pages are copied through the staging area", region.nbytes)
 
     def clear(self) -> None:
         # force: also objects under a read lease (a reader racing clear() gets
@@ -140,8 +151,10 @@ class MooncakeBackend(StorageBackend):
             logger.warning("mooncake L3: clear failed (%s)", removed)
 
     def stats(self) -> dict[str, float]:
-        return {**self._counts.snapshot(), "registered_regions": float(len(self._regions)),
-                "staging_buffers": float(len(self._staging.buffers()))}
+        staging = self._staging
+        return {**self._counts.snapshot(),
+                "staging_slots": float(staging.slots if staging else 0),
+                "registered_bytes": float(staging.nbytes if staging else 0)}
 
     def close(self) -> None:
         with self._lock:
@@ -151,61 +164,69 @@ class MooncakeBackend(StorageBackend):
             # Calls in flight still use the store; bounded wait for them.
             if not self._idle.wait_for(lambda: self._in_flight == 0, timeout=_CLOSE_WAIT_S):
                 logger.warning("mooncake L3: closing with %d calls in flight", self._in_flight)
-        for buf in self._registered:
-            self._store.unregister_buffer(address(buf))
-        self._registered.clear()
-        self._regions.clear()
-        self._staging.drop()
+            staging, self._staging = self._staging, None
+        if staging is not None:
+            self._store.unregister_buffer(address(staging.buffer))
         self._store.close()
 
     # --- one chunk of a batch ------------------------------------------------
 
-    def _put_chunk(self, keys: list[str], chunk: ChunkPlan, staging: np.ndarray | None
-                   ) -> list[int]:
-        for _, src, view in chunk.views(staging):
+    def _put_chunk(self, keys: list[str], chunk: Chunk) -> list[int]:
+        for _, src, view in chunk.views():
             view[...] = src
-        rcs = self._store.batch_put_from_multi_buffers(keys, chunk.ptrs, chunk.sizes)
-        self._counts.add(bytes_written=sum(t for t, rc in zip(chunk.totals, rcs) if rc == 0),
-                         put_full=rcs.count(_NO_HANDLE), direct_bytes=chunk.direct_bytes,
-                         staged_bytes=chunk.staged_bytes)
+        rcs = self._store.batch_put_from(keys, chunk.ptrs, chunk.sizes)
+        self._counts.add(bytes_written=sum(n for n, rc in zip(chunk.sizes, rcs) if rc == 0),
+                         put_full=rcs.count(_NO_HANDLE), staged_bytes=chunk.staged_bytes)
         return rcs
 
-    def _get_chunk(self, keys: list[str], chunk: ChunkPlan, staging: np.ndarray | None
-                   ) -> list[int]:
-        rcs = self._store.batch_get_into_multi_buffers(keys, chunk.ptrs, chunk.sizes)
+    def _get_chunk(self, keys: list[str], chunk: Chunk) -> list[int]:
+        rcs = self._store.batch_get_into(keys, chunk.ptrs, chunk.sizes)
         # A short or long read is a miss, whatever Mooncake says.
-        oks = [rc == total > 0 for rc, total in zip(rcs, chunk.totals)]
-        for index, dst, view in chunk.views(staging):
-            if oks[index]:
+        oks = [rc == size > 0 for rc, size in zip(rcs, chunk.sizes)]
+        for position, dst, view in chunk.views():
+            if oks[position]:
                 dst[...] = view
-        self._counts.add(bytes_read=sum(t for t, ok in zip(chunk.totals, oks) if ok),
-                         direct_bytes=chunk.direct_bytes, staged_bytes=chunk.staged_bytes)
+        self._counts.add(bytes_read=sum(n for n, ok in zip(chunk.sizes, oks) if ok),
+                         staged_bytes=chunk.staged_bytes)
         return [0 if ok else min(rc, -1) for ok, rc in zip(oks, rcs)]
 
     # --- plumbing -------------------------------------------------------------
 
+    def _staging_area(self) -> StagingArea:
+        with self._lock:
+            if self._closed:  # a call that outlived close()'s wait: a miss
+                raise RuntimeError("mooncake backend is closed")
+            if self._staging is None:
+                self._staging = StagingArea(self.config.staging_pages, self._slot_bytes,
+                                            self._register)
+            return self._staging
+
     def _batched(self, keys: Sequence[str], objects: Sequence[Buffers], results: list[bool],
-                 op: Callable[[list[str], ChunkPlan, np.ndarray | None], list[int]]) -> None:
+                 op: Callable[[list[str], Chunk], list[int]]) -> None:
         """Run ``op`` chunk by chunk (rc 0 = success per key) into ``results``;
-        stop at an outage so a dead master costs one timeout per call."""
+        stop at an outage so a dead master costs one timeout per call. An
+        object that fits no slot is a per-key False."""
         assert len(keys) == len(objects), (len(keys), len(objects))
 
         def run() -> list[int]:
-            rcs: list[int] = []
-            with ExitStack() as stack:
-                staging = None  # leased once, at the first chunk that stages
-                for chunk in plan_chunks(objects, self._regions, self._staging.capacity):
-                    if chunk.oversized:  # cannot stage it: a miss / skipped write
-                        rcs.append(-1)
-                        continue
-                    if chunk.staged and staging is None:
-                        staging = stack.enter_context(self._staging.lease())
-                    if chunk.staged:
-                        chunk.bind(staging)
-                    part = op(list(keys[chunk.lo:chunk.hi]), chunk, staging)
-                    rcs += part if len(part) == len(chunk.totals) else [-1] * len(chunk.totals)
-                    if _RPC_FAIL in part:
-                        break
+            staging = self._staging_area()
+            lengths = object_lengths(objects)
+            sendable = fits(lengths, staging.slot_bytes)
+            rcs, lo = [-1] * len(keys), 0
+            while (left := sum(sendable[lo:])) > 0:
+                try:
+                    with staging.lease(left, LEASE_WAIT_S) as slots:
+                        chunk = plan_chunk(objects, lengths, lo, slots)
+                        part = op([keys[i] for i in chunk.sent], chunk)
+                except TimeoutError as err:  # the rest of the batch misses
+                    logger.warning("mooncake L3: %s; %d objects skipped", err, left)
+                    break
+                if len(part) == len(chunk.sent):
+                    for i, rc in zip(chunk.sent, part):
+                        rcs[i] = rc
+                lo = chunk.hi
+                if _RPC_FAIL in part:
+                    break
             return rcs
 
         rcs = self._call(keys, run) or []
@@ -246,10 +267,7 @@ class MooncakeBackend(StorageBackend):
                 self._idle.notify_all()
 
     def _register(self, buf: np.ndarray) -> bool:
-        ok = self._store.register_buffer(address(buf), buf.nbytes) == 0
-        if ok:
-            self._registered.append(buf)
-        return ok
+        return self._store.register_buffer(address(buf), buf.nbytes) == 0
 
 
 def _saw_rpc_failure(result: Any) -> bool:

@@ -12,6 +12,10 @@ K/M/G/T are powers of 1024, as in Mooncake's own flags). The shared-memory
 ("dummy", ``client_server_address``) mode is not offered: its zero copy needs
 buffers allocated by Mooncake (alloc_from_mem_pool), and the host pool is
 allocated by vllm_hicache.
+
+Mooncake's engine cannot be confined to one interface: its listeners bind
+all of them whatever ``local_hostname`` says (master.py logs them at start;
+docs/security.md).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hicache.storage.options import Options, choice, number, option, size, text
+from vllm_hicache.storage.options import Options, choice, integer, number, option, size, text
 
 # A failing start must raise within 30 s; the port wait is the only unbounded
 # part we control (see master.connect).
@@ -33,7 +37,8 @@ class MooncakeConfig(Options):
     # The master's RPC address, "host:port" ("[v6]:port" for IPv6).
     master_server_address: str = option(
         parse=text(), hint="the mooncake_master RPC address, e.g. '127.0.0.1:50051'")
-    # This client's address as other participants reach it.
+    # This client's address as other participants reach it (what it
+    # advertises; Mooncake still listens on every interface).
     local_hostname: str = option("127.0.0.1", parse=text(empty=False))
     # Transfer-engine metadata: "P2PHANDSHAKE" (no metadata server) or an
     # http://.../metadata or etcd URL; every participant must use the same.
@@ -52,11 +57,11 @@ class MooncakeConfig(Options):
     # ConnectionError.
     connect_timeout_s: float = option(
         5.0, parse=number(0.0, _MAX_CONNECT_TIMEOUT_S, low_open=True))
-    # Capacity of one registered staging buffer (at least one object): buffers
-    # outside registered memory (headers, unregistered payloads) are copied
-    # through one. A call in flight holds one; a batch needing more is cut
-    # into chunks.
-    staging_bytes: int = option(16 << 20, parse=size(1, 1 << 34))
+    # Objects (pages) the registered staging area holds: the only memory of
+    # this process that Mooncake's transfer engine can reach (memory.py). A
+    # batch larger than the free slots is cut into several calls, and each
+    # call costs: 128 pages is one whole L3 batch (l3_worker.BATCH_PAGES).
+    staging_pages: int = option(128, parse=integer(1, 4096))
     # After a call fails with RPC_FAIL (master unreachable), calls return
     # misses at once for this long; then one call probes the master again.
     outage_backoff_s: float = option(2.0, parse=number(0.0, 600.0))

@@ -1,21 +1,26 @@
-"""Registered memory for the mooncake backend: zero copy where possible.
+"""The staging area: the only memory the mooncake backend registers.
 
-Mooncake moves an object between the storage daemon and *registered* local
-memory (``register_buffer``); with RDMA, unregistered memory cannot be a
-transfer source or target at all. So every buffer of a call is either
+Why: Mooncake's transfer engine lets any peer that reaches its port (TCP, or
+an RDMA device) read and write *registered* memory, without authentication
+(docs/security.md). Registering the host pool would hand every such peer the
+whole L2 cache: they could read any page and alter pages after they were
+verified. So the pool is never registered; the engine sees one staging area
+of ``staging_pages`` slots, each holding one object, and every object is
+copied between the caller's buffers and a slot: into it before a put, out of
+it after a get (before the page store verifies what was read, so a peer
+that overwrites a slot mid-transfer costs a failed check, never accepted KV).
 
-- inside a registered region (the host pool, via ``register_memory``): its
-  address goes to Mooncake as it is (zero copy), or
-- anywhere else (the 64-byte headers, buffers of an unregistered caller):
-  it is copied through a *staging buffer*, a registered scratch array the
-  backend owns. A call in flight leases one buffer of the pool; the pool
-  grows to the number of concurrent calls (so threads never share one) and
-  its buffers live, registered, until close().
+Slot layout: an object's buffers back to back (the object is their
+concatenation), from the slot's start; slots start on cache-line
+boundaries. An object is one contiguous run, so it moves with the
+single-buffer batch calls. An object longer than a slot (or empty) is never
+sent: a miss / a skipped write.
 
-A ``ChunkPlan`` lays out one chunk of a batch (as many objects as one
-staging buffer can serve): per object, the pointer and size lists Mooncake
-takes (the object is their concatenation), plus the caller buffers to copy
-into staging before a put / out of it after a get.
+Leases: a call leases as many free slots as it has objects to send (at
+least one), waiting at most ``LEASE_WAIT_S`` for one to free up; a batch
+larger than its lease is cut into several Mooncake calls. Slots are held
+only for one Mooncake call, so the wait is bounded by that call's own
+timeout; the area's size is fixed for the backend's lifetime.
 """
 
 from __future__ import annotations
@@ -28,163 +33,105 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_hicache.storage.base import Buffers
-from vllm_hicache.storage.batching import chunks
 from vllm_hicache.storage.buffers import address
 
-# Staging views start on cache-line boundaries (cheap copies, no false sharing).
-_ALIGN = 64
+# Slots start on cache-line boundaries (cheap copies, no false sharing).
+ALIGN_BYTES = 64
+# A Mooncake call returns within ~4.5 s (master.py); waiting much longer for
+# a slot means something is stuck: the batch's remaining objects miss.
+LEASE_WAIT_S = 30.0
 
 
-class RegisteredRegions:
-    """Address ranges registered with the store; lookups are lock-free."""
+def slot_bytes_for(object_bytes: int) -> int:
+    """Bytes of one slot for objects of ``object_bytes`` (cache-line padded)."""
+    return -(-object_bytes // ALIGN_BYTES) * ALIGN_BYTES
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        # Replaced, never mutated, so readers may iterate a snapshot.
-        self._spans: tuple[tuple[int, int], ...] = ()
 
-    def add(self, start: int, nbytes: int) -> None:
-        with self._lock:
-            self._spans = (*self._spans, (start, start + nbytes))
+class StagingArea:
+    """``slots`` slots of ``slot_bytes`` in one buffer, registered once."""
 
-    def clear(self) -> None:
-        with self._lock:
-            self._spans = ()
+    def __init__(self, slots: int, slot_bytes: int,
+                 register: Callable[[np.ndarray], bool]) -> None:
+        if slots < 1 or slot_bytes < 1:
+            raise ValueError(f"staging area of {slots} slots x {slot_bytes} B")
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.buffer = np.empty(slots * slot_bytes, np.uint8)
+        self.buffer.fill(0)  # pre-fault now: first-touch faults are slow on small VMs
+        if not register(self.buffer):
+            raise OSError(f"mooncake backend: cannot register the {self.buffer.nbytes}-byte "
+                          "staging area with Mooncake")
+        self._free = list(range(slots))
+        self._changed = threading.Condition()
 
     @property
-    def spans(self) -> tuple[tuple[int, int], ...]:
-        """[start, end) of each region; a snapshot."""
-        return self._spans
-
-    def covers(self, buf: np.ndarray) -> bool:
-        return _inside(address(buf), buf.nbytes, self._spans)
-
-    def __len__(self) -> int:
-        return len(self._spans)
-
-
-class ScratchLeases:
-    """Registered scratch buffers of ``capacity`` bytes, one per call in flight."""
-
-    def __init__(self, capacity: int, register: Callable[[np.ndarray], bool]) -> None:
-        self.capacity = capacity
-        self._register = register
-        self._lock = threading.Lock()
-        self._free: list[np.ndarray] = []
-        self._all: list[np.ndarray] = []
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
 
     @contextmanager
-    def lease(self) -> Iterator[np.ndarray]:
-        with self._lock:
-            buf = self._free.pop() if self._free else None
-        if buf is None:
-            buf = self._new_buffer()
+    def lease(self, wanted: int, timeout_s: float = LEASE_WAIT_S) -> Iterator[list[np.ndarray]]:
+        """Up to ``wanted`` free slots (at least one), as views; TimeoutError
+        when none frees up within ``timeout_s``."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._free, timeout=timeout_s):
+                raise TimeoutError(f"no staging slot free within {timeout_s:g} s")
+            taken = self._free[-max(1, wanted):]
+            del self._free[-len(taken):]
         try:
-            yield buf
+            yield [self.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes] for i in taken]
         finally:
-            with self._lock:
-                self._free.append(buf)
-
-    def _new_buffer(self) -> np.ndarray:
-        buf = np.empty(self.capacity, np.uint8)
-        buf.fill(0)  # pre-fault now: first-touch faults are slow on small VMs
-        if not self._register(buf):
-            raise OSError(f"cannot register a {self.capacity}-byte staging buffer")
-        with self._lock:
-            self._all.append(buf)
-        return buf
-
-    def buffers(self) -> list[np.ndarray]:
-        with self._lock:
-            return list(self._all)
-
-    def drop(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._all.clear()
+            with self._changed:
+                self._free.extend(taken)
+                self._changed.notify_all()
 
 
 @dataclass
-class ChunkPlan:
-    """Objects ``lo:hi`` of a batch, laid out for one Mooncake call.
+class Chunk:
+    """Objects of a batch laid out in leased slots, for one Mooncake call."""
 
-    Staged buffers get their pointers from ``bind`` (the staging buffer is
-    leased only once some chunk needs one).
-    """
-
-    lo: int
-    ptrs: list[list[int]] = field(default_factory=list)
-    sizes: list[list[int]] = field(default_factory=list)
-    # Expected object lengths (sum of sizes).
-    totals: list[int] = field(default_factory=list)
-    # (object index in chunk, slot in its ptrs, caller buffer, staging offset).
-    staged: list[tuple[int, int, np.ndarray, int]] = field(default_factory=list)
-    direct_bytes: int = 0
-    staged_bytes: int = 0
-    # Staging bytes used, with alignment padding.
-    used: int = 0
-    # A lone object whose staged bytes exceed the capacity: never sent.
-    oversized: bool = False
+    # Batch index of each object sent, in call order.
+    sent: list[int] = field(default_factory=list)
+    # Per object sent: its slot's address and the object's length.
+    ptrs: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    # (position in ``sent``, caller buffer, its view in the slot).
+    copies: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
+    # One past the last batch index this chunk covers (sent or skipped).
+    hi: int = 0
 
     @property
-    def hi(self) -> int:
-        return self.lo + len(self.totals)
+    def staged_bytes(self) -> int:
+        return sum(self.sizes)
 
-    def add(self, buffers: list[tuple[np.ndarray, int, bool]]) -> None:
-        """One object: its (buffer, address, inside registered memory) list."""
-        index, ptrs, sizes = len(self.totals), [], []
-        for slot, (buf, start, direct) in enumerate(buffers):
-            sizes.append(buf.nbytes)
-            if direct:
-                ptrs.append(start)
-                self.direct_bytes += buf.nbytes
-            else:
-                ptrs.append(0)
-                self.staged.append((index, slot, buf, self.used))
-                self.used += _padded(buf.nbytes)
-                self.staged_bytes += buf.nbytes
-        self.ptrs.append(ptrs)
-        self.sizes.append(sizes)
-        self.totals.append(sum(sizes))
-
-    def bind(self, staging: np.ndarray) -> None:
-        assert self.used <= staging.nbytes, (self.used, staging.nbytes)
-        base = address(staging)
-        for index, slot, _, offset in self.staged:
-            self.ptrs[index][slot] = base + offset
-
-    def views(self, staging: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        """(object index in chunk, caller buffer, its staging view)."""
-        for index, _, buf, offset in self.staged:
-            yield index, buf, staging[offset:offset + buf.nbytes]
+    def views(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        return iter(self.copies)
 
 
-def plan_chunks(
-    objects: Sequence[Buffers], regions: RegisteredRegions, capacity: int
-) -> Iterator[ChunkPlan]:
-    """Consecutive chunks of ``objects`` whose staged bytes fit ``capacity``;
-    an object that never fits comes alone, ``oversized``."""
-    spans = regions.spans
-    # Empty buffers contribute nothing, and Mooncake rejects empty slices.
-    laid = [[(buf, start, _inside(start, buf.nbytes, spans))
-             for buf in objs if buf.nbytes for start in (address(buf),)] for objs in objects]
-    needs = [sum(_padded(buf.nbytes) for buf, _, direct in bufs if not direct) for bufs in laid]
-    for span in chunks(needs, max_bytes=capacity):
-        if needs[span.start] > capacity:  # alone in its span
-            yield ChunkPlan(lo=span.start, totals=[0], oversized=True)
+def object_lengths(objects: Sequence[Buffers]) -> list[int]:
+    return [sum(buf.nbytes for buf in bufs) for bufs in objects]
+
+
+def plan_chunk(objects: Sequence[Buffers], lengths: Sequence[int], lo: int,
+               slots: Sequence[np.ndarray]) -> Chunk:
+    """Objects from ``lo`` on, one per slot, until the slots run out; those
+    that fit no slot (or are empty) are passed over, unsent."""
+    chunk, free = Chunk(hi=lo), list(slots)
+    while chunk.hi < len(objects) and free:
+        i = chunk.hi
+        chunk.hi += 1
+        if not 0 < lengths[i] <= free[0].nbytes:
             continue
-        chunk = ChunkPlan(lo=span.start)
-        for i in span:
-            chunk.add(laid[i])
-        yield chunk
+        slot = free.pop(0)
+        position, offset = len(chunk.sent), 0
+        for buf in objects[i]:
+            if buf.nbytes:  # Mooncake refuses empty slices; they add nothing
+                chunk.copies.append((position, buf, slot[offset:offset + buf.nbytes]))
+                offset += buf.nbytes
+        chunk.sent.append(i)
+        chunk.ptrs.append(address(slot))
+        chunk.sizes.append(lengths[i])
+    return chunk
 
 
-def _inside(start: int, nbytes: int, spans: tuple[tuple[int, int], ...]) -> bool:
-    for lo, hi in spans:
-        if lo <= start and start + nbytes <= hi:
-            return True
-    return False
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+def fits(lengths: Sequence[int], slot_bytes: int) -> list[bool]:
+    return [0 < n <= slot_bytes for n in lengths]
