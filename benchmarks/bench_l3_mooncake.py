@@ -9,9 +9,9 @@ is a no-op in Mooncake), removing them afterwards:
   contiguous (64 B header + payload) run of a registered numpy buffer;
 - raw-mb: ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``
   with the header and payload as two runs of a registered buffer;
-- ours: ``MooncakeBackend.put`` / ``get`` as the connector calls them: the
-  payload is a page of a registered pool (zero copy), the 64 B header a
-  separate unregistered array (copied through the backend's staging buffer).
+- ours: ``MooncakeBackend.put`` / ``get`` as the connector calls them: header
+  and payload are copied through the backend's registered staging area (the
+  host pool is never registered with Mooncake's transfer engine: docs/security.md).
 
 Ratios: ours / raw (the target is >= 80%) and ours / raw-mb (the same
 two-slice transfer, so what our own code costs). MB/s are 1e6 B/s of whole objects,
