@@ -86,9 +86,19 @@ soak: $(STAMP) $(MODEL)/.complete
 	HICACHE_SOAK=1 HICACHE_SOAK_REPORT=.cache/soak-rss.txt \
 		$(PY) -m pytest -q -s tests/e2e/test_soak.py
 
-# bench_serve.py --quick: real servers and clients, every system, a few minutes
-# (the full run: docs/benchmarks.md). gpu_transfer.py exits 2 without CUDA.
-bench: $(STAMP) $(MODEL)/.complete $(DEMO_MODEL)/.complete
+# pytest-benchmark over the index, the copies, sealing and the scheduler half
+# (benchmarks/micro, about a minute): saved in .benchmarks/, compared with the
+# previous run there; a median slower by more than BENCH_FAIL fails, naming the
+# benchmark (docs/benchmarks.md, "Micro-benchmarks" says why 15%).
+BENCH_FAIL ?= median:15%
+.PHONY: bench-micro
+bench-micro: $(STAMP) $(MODEL)/.complete
+	$(PY) benchmarks/micro/run.py --fail-over '$(BENCH_FAIL)'
+
+# The micro suite first, then the scripts. bench_serve.py --quick: real
+# servers and clients, every system, a few minutes (the full run:
+# docs/benchmarks.md). gpu_transfer.py exits 2 without CUDA.
+bench: $(STAMP) $(MODEL)/.complete $(DEMO_MODEL)/.complete bench-micro
 	$(PY) benchmarks/bench_serve.py --quick
 	$(PY) benchmarks/gpu_transfer.py || test $$? -eq 2
 	$(PY) benchmarks/bench_copy.py

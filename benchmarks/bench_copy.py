@@ -12,8 +12,8 @@ size 128, block size 32, bf16: 4 MiB per block over all layers) and 256
 blocks, i.e. 1 GiB of L1 and 1 GiB of host pool; the L1 tensors are laid
 out as vLLM's CPU backend allocates them (CPU_ATTN, one allocation, LBHNC).
 
-On a machine without CUDA the ``kernel`` backend falls back to ``direct``
-(one warning), so only ``direct`` is measured there; the row says so.
+The ``kernel`` backend needs CUDA (and Triton, and a pinned pool); where
+it cannot run, one row per layout says what is missing.
 The copies are memory-bound and use no BLAS: OPENBLAS_NUM_THREADS /
 OMP settings for BLAS do not matter here. torch's intra-op thread count
 does (``torch.get_num_threads()``, printed); numpy's copyto is
@@ -39,7 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_hicache.host import MEM_LAYOUTS, HostKVPool  # noqa: E402
-from vllm_hicache.kernels import describe_kv_tensor, make_transfer  # noqa: E402
+from vllm_hicache.kernels import (  # noqa: E402
+    describe_kv_tensor,
+    kernel_io_missing,
+    make_transfer,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -111,28 +115,46 @@ def describe_layers(args: argparse.Namespace, layers: list[torch.Tensor], device
     ]
 
 
+def build_pool(args: argparse.Namespace, mem_layout: str, layouts) -> HostKVPool:
+    """A host pool with one page per L1 block, in vLLM's block order."""
+    return HostKVPool(args.blocks, args.layers, 2, args.block_size, args.heads,
+                      args.head_size, torch.bfloat16, mem_layout,
+                      block_order=layouts[0].block_order)
+
+
+def copy_call(transfer, direction: str, blocks: list[int], pages: list[int]):
+    """One whole copy (``store``: L1 -> L2, ``load``: L2 -> L1), finished on return."""
+    method = getattr(transfer, direction)
+
+    def run() -> None:
+        method(blocks, pages)
+        transfer.synchronize()
+
+    return run
+
+
+def io_backend_missing(device_type: str, pool: HostKVPool) -> str:
+    """What ``io_backend=kernel`` lacks here ('' when it can run)."""
+    return kernel_io_missing(device_type == "cuda") or (
+        "" if pool.is_pinned else "a pinned host pool")
+
+
 def bench_layout(args, mem_layout: str, raw, layers, layouts, patterns) -> None:
     """Print one row per (io backend, id pattern, direction)."""
     total = raw.numel() * raw.element_size()
-    pool = HostKVPool(args.blocks, args.layers, 2, args.block_size, args.heads,
-                      args.head_size, torch.bfloat16, mem_layout,
-                      block_order=layouts[0].block_order)
+    pool = build_pool(args, mem_layout, layouts)
     base_gbps = total / numpy_baseline(raw.cpu(), pool, args.repeats) / 1e9
     for io_backend in args.io_backends.split(","):
+        missing = io_backend == "kernel" and io_backend_missing(raw.device.type, pool)
+        if missing:
+            print(f"{mem_layout:<18} {io_backend:<15} not measured: needs {missing}")
+            continue
         transfer = make_transfer(io_backend, layers, layouts, pool)
-        label = io_backend
-        if transfer.io_backend != io_backend:
-            label = f"{io_backend}->{transfer.io_backend}"
         for ids, (blocks, pages) in patterns.items():
             for direction in ("store", "load"):
-                method_now = getattr(transfer, direction)
-
-                def run(method=method_now):
-                    method(blocks, pages)
-                    transfer.synchronize()
-
+                run = copy_call(transfer, direction, blocks, pages)
                 gbps = total / timed(run, args.repeats) / 1e9
-                print(f"{mem_layout:<18} {label:<15} {ids:<11} {direction:<6} "
+                print(f"{mem_layout:<18} {io_backend:<15} {ids:<11} {direction:<6} "
                       f"{gbps:7.2f} {base_gbps:7.2f} {gbps / base_gbps:6.0%}")
 
 
@@ -156,8 +178,6 @@ def main() -> None:
     patterns = id_patterns(args.blocks, args.seed)
     for mem_layout in args.layouts.split(","):
         bench_layout(args, mem_layout, raw, layers, layouts, patterns)
-    if device == "cpu":
-        print("note: no CUDA here: io_backend=kernel falls back to direct ('kernel->direct').")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -210,31 +211,36 @@ class Setup:
         shutil.rmtree(self.raw_dir, ignore_errors=True)
 
 
+def codec_calls(name: str, size: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(seal, open) of one in-memory page of ``size`` random bytes with codec
+    ``name``; open checks the page sealed here, so a failed check raises."""
+    codec = CODECS[name]
+    payload = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    out = np.empty(size, np.uint8)
+    extra = codec.scratch_bytes(size)
+    scratch = np.empty(extra, np.uint8) if extra else None
+    header = np.empty(fmt.HEADER_BYTES, np.uint8)
+    body = codec.seal("k", payload, header, scratch)
+    target = out if scratch is None else body
+
+    def seal() -> None:
+        codec.seal("k", payload, header, scratch)
+
+    def open_() -> None:
+        assert codec.open("k", header, target, out if scratch is not None else payload, scratch)
+
+    return seal, open_
+
+
 def primitive_speeds(codecs: list[str]) -> None:
     """GB/s of each codec's seal and open of one page in memory, one thread:
     the primitive alone (best of 5 runs of 64 MiB)."""
     print(f"{'page':>8} {'codec':<14} {'seal GB/s':>10} {'open GB/s':>10}")
     for size in (64 << 10, 1 << 20, 4 << 20):
-        payload = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-        out = np.empty(size, np.uint8)
         reps = max(1, (64 << 20) // size)
         for name in codecs:
-            codec = CODECS[name]
-            extra = codec.scratch_bytes(size)
-            scratch = np.empty(extra, np.uint8) if extra else None
-            header = np.empty(fmt.HEADER_BYTES, np.uint8)
-            body = codec.seal("k", payload, header, scratch)
-            target = out if scratch is None else body
-
-            def seal() -> None:
-                codec.seal("k", payload, header, scratch)
-
-            def open_() -> None:
-                assert codec.open("k", header, target, out if scratch is not None else payload,
-                                  scratch)
-
             speeds = []
-            for fn in (seal, open_):
+            for fn in codec_calls(name, size):
                 best = float("inf")
                 for _ in range(5):
                     start = time.perf_counter()

@@ -279,6 +279,52 @@ class RunResult:
     profile: str = ""
 
 
+def play_round(sched: Scheduler, hasher, reqs: list[tuple[str, list[int]]], decode_tokens: int,
+               kind: str, timers: Timers, max_steps: int, label: str
+               ) -> tuple[RoundStats, float, list[float]]:
+    """Add one round's requests and step until every one finishes.
+
+    Returns the round's counts, the seconds in ``schedule()`` +
+    ``update_from_output()``, and the connector seconds of each step.
+    """
+    perf = time.perf_counter
+    stats = RoundStats()
+    sched_s = 0.0
+    step_times: list[float] = []
+    timers.current = 0.0
+    for req_id, tokens in reqs:
+        sp = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+        sp.update_from_generation_config({}, 2)
+        sched.add_request(Request(req_id, tokens, sp, None, block_hasher=hasher))
+    while sched.has_unfinished_requests():
+        if stats.steps >= max_steps:
+            raise RuntimeError(f"{label} did not finish in {max_steps} steps")
+        t0 = perf()
+        so = sched.schedule()
+        t1 = perf()
+        kvo, loaded, stored, nreq = fake_kv_output(so.kv_connector_metadata, kind)
+        ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for req_id in ids:
+            req = sched.requests[req_id]
+            # A request still in prefill samples nothing this step.
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={x: i for i, x in enumerate(ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kvo)
+        t2 = perf()
+        sched.update_from_output(so, out)
+        t3 = perf()
+        stats.steps += 1
+        stats.computed_tokens += so.total_num_scheduled_tokens
+        stats.loaded_blocks += loaded
+        stats.stored_blocks += stored
+        stats.load_requests += nreq
+        sched_s += (t1 - t0) + (t3 - t2)
+        step_times.append(timers.current)
+        timers.current = 0.0
+    return stats, sched_s, step_times
+
+
 def run(args, trace: Trace, name: str, kind: str, connector: str, extra: dict,
         module_path: str | None, profile: bool) -> RunResult:
     sched = build_scheduler(args, connector, extra, module_path)
@@ -290,49 +336,20 @@ def run(args, trace: Trace, name: str, kind: str, connector: str, extra: dict,
     rounds: list[RoundStats] = []
     prof = cProfile.Profile() if profile else None
     gc.collect()
-    perf = time.perf_counter
 
     for r, reqs in enumerate(trace.rounds):
         warm = r == 0
         timers.enabled = not warm
         timers.profiler = None if warm else prof
-        timers.current = 0.0
-        stats = RoundStats()
         if r > 0:
             if not sched.reset_prefix_cache():
                 raise RuntimeError(f"{name}: reset_prefix_cache() failed before round {r}")
-        for req_id, tokens in reqs:
-            sp = SamplingParams(max_tokens=trace.decode_tokens, temperature=0.0, ignore_eos=True)
-            sp.update_from_generation_config({}, 2)
-            sched.add_request(Request(req_id, tokens, sp, None, block_hasher=hasher))
-        while sched.has_unfinished_requests():
-            if stats.steps >= args.max_steps_per_round:
-                raise RuntimeError(
-                    f"{name}: round {r} did not finish in {args.max_steps_per_round} steps")
-            t0 = perf()
-            so = sched.schedule()
-            t1 = perf()
-            kvo, loaded, stored, nreq = fake_kv_output(so.kv_connector_metadata, kind)
-            ids = list(so.num_scheduled_tokens)
-            sampled = []
-            for req_id in ids:
-                req = sched.requests[req_id]
-                # A request still in prefill samples nothing this step.
-                sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
-            out = ModelRunnerOutput(req_ids=ids, req_id_to_index={x: i for i, x in enumerate(ids)},
-                                    sampled_token_ids=sampled, kv_connector_output=kvo)
-            t2 = perf()
-            sched.update_from_output(so, out)
-            t3 = perf()
-            stats.steps += 1
-            stats.computed_tokens += so.total_num_scheduled_tokens
-            stats.loaded_blocks += loaded
-            stats.stored_blocks += stored
-            stats.load_requests += nreq
-            if not warm:
-                sched_s += (t1 - t0) + (t3 - t2)
-                step_times.append(timers.current)
-            timers.current = 0.0
+        stats, round_sched_s, round_steps = play_round(
+            sched, hasher, reqs, trace.decode_tokens, kind, timers, args.max_steps_per_round,
+            f"{name}: round {r}")
+        if not warm:
+            sched_s += round_sched_s
+            step_times.extend(round_steps)
         rounds.append(stats)
 
     text = ""
