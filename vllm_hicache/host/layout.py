@@ -41,10 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_hicache.config import MEM_LAYOUTS
-
-# Layouts whose rows keep the L1 tensor's native block order.
-NATIVE_LAYOUTS = ("layer_first", "page_first_direct")
+from vllm_hicache.host.layout_names import MEM_LAYOUTS, NATIVE_LAYOUTS
 
 
 class BlockDims:
