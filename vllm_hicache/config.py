@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,7 +223,7 @@ def _parse_admin_key(value: Any) -> str:
     return key
 
 
-_ADMIN_PARSERS = {
+_ADMIN_PARSERS: dict[str, Callable[[Any], object]] = {
     "admin_api_port": _parse_admin_port,
     "admin_api_host": _parse_admin_host,
     "admin_api_key": _parse_admin_key,
@@ -243,7 +243,7 @@ def _parse_access_log_number(name: str, lo: float, hi: float, value: Any) -> flo
     return float(value)
 
 
-_ACCESS_LOG_PARSERS = {
+_ACCESS_LOG_PARSERS: dict[str, Callable[[Any], object]] = {
     "hicache_access_log": _parse_access_log,
     "hicache_access_log_sample": lambda v: _parse_access_log_number(
         "hicache_access_log_sample", 0.0, 1.0, v),

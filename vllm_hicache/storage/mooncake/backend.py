@@ -198,9 +198,9 @@ class MooncakeBackend(StorageBackend):
                     if chunk.oversized:  # cannot stage it: a miss / skipped write
                         rcs.append(-1)
                         continue
-                    if chunk.staged and staging is None:
-                        staging = stack.enter_context(self._staging.lease())
                     if chunk.staged:
+                        if staging is None:
+                            staging = stack.enter_context(self._staging.lease())
                         chunk.bind(staging)
                     part = op(list(keys[chunk.lo:chunk.hi]), chunk, staging)
                     rcs += part if len(part) == len(chunk.totals) else [-1] * len(chunk.totals)

@@ -153,9 +153,11 @@ class ChunkPlan:
         for index, slot, _, offset in self.staged:
             self.ptrs[index][slot] = base + offset
 
-    def views(self, staging: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        """(object index in chunk, caller buffer, its staging view)."""
+    def views(self, staging: np.ndarray | None) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(object index in chunk, caller buffer, its staging view); ``staging``
+        is None only for a chunk that stages nothing."""
         for index, _, buf, offset in self.staged:
+            assert staging is not None, "a chunk that stages needs its staging buffer"
             yield index, buf, staging[offset:offset + buf.nbytes]
 
 
