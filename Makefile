@@ -64,9 +64,10 @@ demo: $(STAMP) $(DEMO_MODEL)/.complete
 serve: $(STAMP) $(MODEL)/.complete
 	@$(PY) examples/serve.py --model $(MODEL) --port $(SERVE_PORT) --admin-port $(SERVE_ADMIN_PORT)
 
-# ruff (configured in pyproject.toml); part of `make test`, so CI runs it.
+# ruff and mypy (configured in pyproject.toml); part of `make test`, so CI runs it.
 lint: $(STAMP)
 	$(PY) -m ruff check vllm_hicache tests benchmarks examples scripts
+	$(PY) -m mypy
 
 # pytest exit 5 (nothing collected) is a failure, like any other non-zero.
 test: $(STAMP) $(MODEL)/.complete lint

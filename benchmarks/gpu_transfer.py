@@ -225,8 +225,9 @@ def main() -> int:
         print("gpu_transfer.py: unset TRITON_INTERPRET (the kernels must be compiled)",
               file=sys.stderr)
         return EXIT_NO_CUDA
-    import vllm_hicache.host  # noqa: F401
-    import vllm_hicache.kernels  # noqa: F401
+    # The packages load their modules lazily: import the ones this run uses.
+    import vllm_hicache.host.pool  # noqa: F401
+    import vllm_hicache.kernels.factory  # noqa: F401
 
     leaked = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
     if leaked:

@@ -15,6 +15,9 @@ PURE_MODULES = [
     "vllm_hicache.policy.write",
     "vllm_hicache.policy.load",
     "vllm_hicache.policy.offload",
+    # The option values config.py checks, owned by the packages that use them.
+    "vllm_hicache.host.layout_names",
+    "vllm_hicache.kernels.io_backends",
     # The capacity planner replays logs with the same tree and policies.
     "vllm_hicache.planner",
     "vllm_hicache.planner.log_format",

@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_hicache.host.layout_names import MEM_LAYOUTS
+from vllm_hicache.kernels.io_backends import IO_BACKENDS
 from vllm_hicache.policy.eviction import EVICTION_POLICIES
 from vllm_hicache.policy.load import LOAD_DECISIONS
 from vllm_hicache.policy.write import WRITE_POLICIES
@@ -24,8 +26,6 @@ from vllm_hicache.storage_config import STORAGE_KEYS, StorageConfig, parse_stora
 
 logger = logging.getLogger(__name__)
 
-MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-IO_BACKENDS = ("kernel", "direct")
 LOAD_MODES = ("layerwise", "async")
 
 _GB = 1e9
@@ -223,7 +223,7 @@ def _parse_admin_key(value: Any) -> str:
     return key
 
 
-_ADMIN_PARSERS = {
+_ADMIN_PARSERS: dict[str, Callable[[Any], object]] = {
     "admin_api_port": _parse_admin_port,
     "admin_api_host": _parse_admin_host,
     "admin_api_key": _parse_admin_key,
@@ -243,7 +243,7 @@ def _parse_access_log_number(name: str, lo: float, hi: float, value: Any) -> flo
     return float(value)
 
 
-_ACCESS_LOG_PARSERS = {
+_ACCESS_LOG_PARSERS: dict[str, Callable[[Any], object]] = {
     "hicache_access_log": _parse_access_log,
     "hicache_access_log_sample": lambda v: _parse_access_log_number(
         "hicache_access_log_sample", 0.0, 1.0, v),
@@ -361,7 +361,7 @@ def resolve_conflicts(cfg: HiCacheConfig, kernel_io_missing: str = "") -> HiCach
 
     Rewrites incompatible layout / I/O pairs, warning once per rewrite.
     ``kernel_io_missing`` names what this platform lacks for the kernel
-    backend ('' when nothing; ``kernels.base.kernel_io_missing`` finds out);
+    backend ('' when nothing; ``kernels.factory.kernel_io_missing`` finds out);
     then ``kernel`` I/O becomes ``direct``, and the layout follows. The
     connector calls this once per process and hands the result to its half.
     """

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm_hicache.host import MEM_LAYOUTS, BlockOrder, HostLayout, page_bytes, pool_bytes
+from vllm_hicache.host.layout import as_dims5
 
 PAGES, LAYERS, PLANES, BLOCK, HEADS, HEAD = 5, 3, 2, 4, 2, 3
 
@@ -120,3 +121,9 @@ def test_all_heads_of_a_page_major_page_are_the_page_run_itself(name):
     buffer = torch.arange(PAGES * lay.elems_per_page).view(lay.buffer_shape)
     whole = lay.head_slice(buffer, 2, 0, HEADS)
     assert whole.is_contiguous() and whole.data_ptr() == buffer[2].data_ptr()
+
+
+def test_as_dims5_takes_exactly_five_axes():
+    assert as_dims5(iter([1, 2, 3, 4, 5])) == (1, 2, 3, 4, 5)
+    with pytest.raises(ValueError, match="expected 5 block axes, got 4"):
+        as_dims5([1, 2, 3, 4])

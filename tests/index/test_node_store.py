@@ -139,3 +139,14 @@ def test_a_policy_key_of_three_numbers_is_refused() -> None:
     tree = HiRadixTree(4, _ThreeNumbers())
     with pytest.raises(TypeError, match="at most two"):
         tree.insert([b"k"], tree.alloc(1))
+
+
+def test_a_free_slot_has_no_blocks() -> None:
+    store = NodeStore(0.0)
+    node = store.new(ROOT, [b"a", b"b"], None, 0.0, 0)
+    assert (store.blocks(node), store.first_hash(node), store.num_blocks(node)) == (
+        [b"a", b"b"], b"a", 2)
+    store.release(node)
+    for read in (store.blocks, store.first_hash):
+        with pytest.raises(KeyError, match=f"node {node} is a free slot"):
+            read(node)

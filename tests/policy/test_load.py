@@ -223,3 +223,14 @@ def test_unknown_mode_is_refused_and_the_config_parses_it():
     assert make_config(hicache_load_decision="always").hicache_load_decision == "always"
     with pytest.raises(ValueError, match="hicache_load_decision"):
         make_config(hicache_load_decision="never")
+
+
+def test_prefill_model_reset_forgets_the_fit_and_keeps_the_settings():
+    model = PrefillModel(decay=0.5, min_samples=2, clip=3.0)
+    steps(model, 2e-5, 3e-9, SHAPES)
+    assert model.ready
+    model.reset()
+    assert (model.samples, model.ready, model.compute_s(0, 100)) == (0, False, None)
+    assert (model.decay, model.min_samples, model.clip) == (0.5, 2, 3.0)
+    steps(model, 1e-4, 0.0, SHAPES)
+    assert model.coefficients[0] == pytest.approx(1e-4, rel=0.02)

@@ -49,7 +49,7 @@ from vllm_hicache.datapath.async_loads import AsyncLoader
 from vllm_hicache.datapath.grouped import GroupedTransfer, copy_bytes
 from vllm_hicache.datapath.jobs import NO_COPY, Copy, Load
 from vllm_hicache.host import HostKVPool
-from vllm_hicache.kernels import DeviceKVLayout, make_transfer
+from vllm_hicache.kernels import DeviceKVLayout, KVTransfer, make_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class KVDataPath:
         self._loads: list[Load] = []
         self._pending_layers: set[int] = set()
         # CUDA: layer -> event after that layer's loads (all layers recorded).
-        self._layer_events: dict[int, object] = {}
+        self._layer_events: dict[int, torch.cuda.Event] = {}
         # Layerwise jobs of this step that failed: skipped on later layers.
         self._failed_loads: set[str] = set()
         # Blocks whose load failed, not yet reported.
@@ -106,7 +106,7 @@ class KVDataPath:
         # Failed-store pages not yet reported.
         self._failed_store_pages: set[int] = set()
         # CUDA: event after the latest store (write-through or write-back).
-        self._store_done = None
+        self._store_done: torch.cuda.Event | None = None
 
     @classmethod
     def build(cls, kv_tensors: Sequence[torch.Tensor], layouts: Sequence[DeviceKVLayout],
@@ -118,7 +118,8 @@ class KVDataPath:
 
         ``group_layers``: for a hybrid model, each KV cache group's layer
         range; copies then name blocks by group block id (``grouped.py``)."""
-        transfer = make_transfer(io_backend, kv_tensors, layouts, pool)
+        transfer: KVTransfer | GroupedTransfer = make_transfer(io_backend, kv_tensors,
+                                                               layouts, pool)
         if len(group_layers) > 1:
             transfer = GroupedTransfer(transfer, group_layers, num_l1_blocks)
         device = kv_tensors[0].device
@@ -346,7 +347,7 @@ class KVDataPath:
 
     # --- streams (CUDA only) ----------------------------------------------------
 
-    def _record_event(self):
+    def _record_event(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=self._timing_events)
         event.record(self.stream)
         return event

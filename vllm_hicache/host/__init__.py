@@ -1,26 +1,57 @@
-"""Host (L2) KV pool: buffer, layouts, sizing. See ``pool.py`` and ``layout.py``."""
+"""Host (L2) KV pool: buffer, layouts, sizing. See ``pool.py`` and ``layout.py``.
 
-from vllm_hicache.host.layout import (
-    MEM_LAYOUTS,
-    NATIVE_LAYOUTS,
-    BlockOrder,
-    HostLayout,
-    page_bytes,
-    pool_bytes,
-)
-from vllm_hicache.host.memory import MemInfo, check_fits, read_meminfo, reserve_bytes
-from vllm_hicache.host.pool import HostKVPool
+The public names below are loaded on first use (PEP 562), so that importing
+the pure ``layout_names`` (which ``config.py`` does) never imports torch.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_hicache.host.layout import BlockOrder, HostLayout, page_bytes, pool_bytes
+    from vllm_hicache.host.layout_names import MEM_LAYOUTS, NATIVE_LAYOUTS
+    from vllm_hicache.host.memory import MemInfo, check_fits, read_meminfo, reserve_bytes
+    from vllm_hicache.host.pool import HostKVPool
+
+# Public name -> the submodule that defines it.
+_HOMES = {
+    "MEM_LAYOUTS": "layout_names",
+    "NATIVE_LAYOUTS": "layout_names",
+    "BlockOrder": "layout",
+    "HostLayout": "layout",
+    "page_bytes": "layout",
+    "pool_bytes": "layout",
+    "MemInfo": "memory",
+    "check_fits": "memory",
+    "read_meminfo": "memory",
+    "reserve_bytes": "memory",
+    "HostKVPool": "pool",
+}
+
+# Literal, so type checkers see the re-exports.
 __all__ = [
-    "MEM_LAYOUTS",
-    "NATIVE_LAYOUTS",
     "BlockOrder",
     "HostKVPool",
     "HostLayout",
+    "MEM_LAYOUTS",
     "MemInfo",
+    "NATIVE_LAYOUTS",
     "check_fits",
     "page_bytes",
     "pool_bytes",
     "read_meminfo",
     "reserve_bytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -37,21 +37,30 @@ copy), and each element of the buffer belongs to exactly one
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from vllm_hicache.config import MEM_LAYOUTS
+from vllm_hicache.host.layout_names import MEM_LAYOUTS, NATIVE_LAYOUTS
 
-# Layouts whose rows keep the L1 tensor's native block order.
-NATIVE_LAYOUTS = ("layer_first", "page_first_direct")
+# Sizes or strides of the five block axes (see ``BlockDims``).
+Dims5 = tuple[int, int, int, int, int]
+
+
+def as_dims5(values: Iterable[int]) -> Dims5:
+    """``values`` as a ``Dims5``; ValueError unless there are exactly five."""
+    items = tuple(values)
+    if len(items) != 5:
+        raise ValueError(f"expected 5 block axes, got {len(items)}: {items}")
+    return items[0], items[1], items[2], items[3], items[4]
 
 
 class BlockDims:
     """Named sizes of ``dims`` = [planes, kernel_blocks, kernel_block_size,
     heads, head_size], shared by host and device block descriptors."""
 
-    dims: tuple[int, int, int, int, int]
+    dims: Dims5
 
     @property
     def planes(self) -> int:
@@ -83,8 +92,8 @@ class BlockOrder(BlockDims):
     elements). ``canonical`` is the C-contiguous order of those dims.
     """
 
-    dims: tuple[int, int, int, int, int]
-    strides: tuple[int, int, int, int, int]
+    dims: Dims5
+    strides: Dims5
 
     def __post_init__(self) -> None:
         assert len(self.dims) == 5 and len(self.strides) == 5, self
@@ -131,7 +140,7 @@ class BlockOrder(BlockDims):
         for axis in reversed(self.nesting()):
             strides[axis] = step
             step *= dims[axis]
-        return BlockOrder(dims, tuple(strides))
+        return BlockOrder(dims, as_dims5(strides))
 
     def view(self, rows: torch.Tensor) -> torch.Tensor:
         """View rows ``[..., E]`` (last dim contiguous) as ``[..., *dims]``."""
@@ -145,12 +154,12 @@ class BlockOrder(BlockDims):
         )
 
 
-def _contiguous_strides(dims: tuple[int, ...]) -> tuple[int, ...]:
+def _contiguous_strides(dims: Dims5) -> Dims5:
     strides, step = [], 1
     for size in reversed(dims):
         strides.append(step)
         step *= size
-    return tuple(reversed(strides))
+    return as_dims5(reversed(strides))
 
 
 @dataclass(frozen=True)

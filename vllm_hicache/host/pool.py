@@ -19,15 +19,12 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from vllm_hicache.host.layout import BlockOrder, HostLayout, dtype_size, pool_bytes
 from vllm_hicache.host.memory import MemInfo, check_fits, pin_buffer, unpin_address
-
-if TYPE_CHECKING:
-    from vllm_hicache.kernels.device_layout import DeviceKVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +46,27 @@ def _resolve_order(
             f"block_size={block_size}, heads={heads}, head_size={head_size}"
         )
     return order
+
+
+class LayerBlocks(Protocol):
+    """What a pool is shaped from: one L1 layer's block geometry.
+
+    ``kernels.DeviceKVLayout`` satisfies it; a protocol, so that host/ (below
+    kernels/) never imports kernels/.
+    """
+
+    @property
+    def planes(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def head_size(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def block_order(self) -> BlockOrder: ...
 
 
 class HostKVPool:
@@ -103,7 +121,7 @@ class HostKVPool:
     def for_layouts(
         cls,
         num_pages: int,
-        layouts: Sequence[DeviceKVLayout],
+        layouts: Sequence[LayerBlocks],
         mem_layout: str,
         pin_memory: bool | None = None,
         **kwargs,

@@ -45,6 +45,10 @@ class _Stats:
     one instance, refilled for each key."""
 
     __slots__ = ("last_access_time", "creation_time", "hit_count", "priority")
+    last_access_time: float
+    creation_time: float
+    hit_count: int
+    priority: int
 
 
 class EvictionQueue:
@@ -93,9 +97,9 @@ class EvictionQueue:
         key = self._priority(stats)
         if type(key) is float:  # LRU, FIFO, MRU, FILO
             return key, 0.0
-        if type(key) is tuple and len(key) == 2:  # LFU, priority
-            return float(key[0]), float(key[1])
-        if type(key) is tuple:
+        if isinstance(key, tuple):
+            if len(key) == 2:  # LFU, priority
+                return float(key[0]), float(key[1])
             if len(key) == 1:
                 return float(key[0]), 0.0
             raise TypeError(f"eviction policy {type(self.policy).__name__} returned a key of "

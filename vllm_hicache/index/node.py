@@ -20,6 +20,7 @@ child, next and previous sibling); lookups by hash go through
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -33,7 +34,7 @@ IN_RUN = -2
 Key = bytes | list[bytes]
 
 
-def page_run(pages: Iterable[int]) -> array:
+def page_run(pages: Iterable[int]) -> array[int]:
     """Pages of one node, in block order."""
     return array("q", pages)
 
@@ -57,7 +58,7 @@ class NodeStore:
         self.page = array("q")
         # bytes (one block), list[bytes] (several) or None (a free slot).
         self.key: list[Key | None] = []
-        self.runs: dict[int, array] = {}
+        self.runs: dict[int, array[int]] = {}
         # Cut off by ``invalidate`` while pinned: unreachable from the root,
         # its pages are freed when the last pin on it is released.
         self.orphaned = bytearray()
@@ -80,7 +81,7 @@ class NodeStore:
     def is_live(self, node: int) -> bool:
         return 0 <= node < len(self.key) and self.key[node] is not None
 
-    def new(self, parent: int, key: list[bytes], pages: array | None, now: float,
+    def new(self, parent: int, key: list[bytes], pages: array[int] | None, now: float,
             priority: int) -> int:
         """A node with no children and no links (``HiRadixTree`` links it)."""
         serial = self._next_serial
@@ -125,7 +126,7 @@ class NodeStore:
 
     # --- key and pages ----------------------------------------------------
 
-    def set_run(self, node: int, key: list[bytes], pages: array | None) -> None:
+    def set_run(self, node: int, key: list[bytes], pages: array[int] | None) -> None:
         """Store ``node``'s blocks and pages (None: placeholder) in the
         compact form for their length. ``key`` and ``pages`` are kept, not copied."""
         if len(key) == 1:
@@ -144,20 +145,28 @@ class NodeStore:
     def blocks(self, node: int) -> list[bytes]:
         """The node's block hashes (its own list for a run: do not mutate)."""
         key = self.key[node]
-        return key if type(key) is list else [key]  # type: ignore[list-item,return-value]
+        if isinstance(key, list):
+            return key
+        if key is None:
+            raise KeyError(f"node {node} is a free slot")
+        return [key]
 
     def first_hash(self, node: int) -> bytes:
         key = self.key[node]
-        return key[0] if type(key) is list else key  # type: ignore[return-value]
+        if isinstance(key, list):
+            return key[0]
+        if key is None:
+            raise KeyError(f"node {node} is a free slot")
+        return key
 
     def num_blocks(self, node: int) -> int:
         key = self.key[node]
-        return len(key) if type(key) is list else 1  # type: ignore[arg-type]
+        return len(key) if isinstance(key, list) else 1
 
     def is_host(self, node: int) -> bool:
         return self.page[node] != PLACEHOLDER
 
-    def pages(self, node: int) -> array | None:
+    def pages(self, node: int) -> array[int] | None:
         """The node's pages (its own array for a run: do not mutate), or None."""
         page = self.page[node]
         if page == PLACEHOLDER:
@@ -331,11 +340,12 @@ class MatchResult(NamedTuple):
 
     def host_run(self, start_block: int) -> list[int]:
         """Consecutive host pages beginning at ``start_block`` (may be empty)."""
-        pages = self.pages
-        end = start_block
-        while end < len(pages) and pages[end] is not None:
-            end += 1
-        return pages[start_block:end]  # type: ignore[return-value]
+        run: list[int] = []
+        for page in itertools.islice(self.pages, start_block, None):
+            if page is None:
+                break
+            run.append(page)
+        return run
 
 
 class PinnedPages(NamedTuple):

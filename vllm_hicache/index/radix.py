@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from vllm_hicache.index.child_index import ChildIndex
 from vllm_hicache.index.eviction_queue import EvictionQueue
@@ -371,7 +372,8 @@ class HiRadixTree:
                     unused.extend(p for p in given if p is not None)
                 store.hit_count[child] += 1
             elif pages[i] is not None:
-                self._fill(child, pages[i : i + m], now)
+                # _same_kind_run: no None in this run.
+                self._fill(child, cast("Sequence[int]", pages[i : i + m]), now)
             store.last_access_time[child] = now
             if priority > store.priority[child]:
                 store.priority[child] = priority
@@ -386,7 +388,7 @@ class HiRadixTree:
         given.discard(None)
         num_given = len(pages) - pages.count(None)
         if len(given) != num_given or not self._free.allocated.issuperset(given):
-            bad = sorted(p for p in given if p not in self._free.allocated)
+            bad = sorted(p for p in given if p is not None and p not in self._free.allocated)
             raise ValueError(
                 f"insert() pages must be distinct and allocated; not allocated: {bad}"
             )
@@ -425,7 +427,8 @@ class HiRadixTree:
             m = _same_kind_run(pages, i, stop)
             run = None
             if pages[i] is not None:
-                run = page_run(pages[i : i + m])  # type: ignore[arg-type]
+                # _same_kind_run: no None in this run.
+                run = page_run(cast("Sequence[int]", pages[i : i + m]))
                 self._free.claim(run)
                 self._num_cached_pages += m
             child = store.new(node, list(hashes[i : i + m]), run, now, priority)
@@ -441,14 +444,17 @@ class HiRadixTree:
         """
         store = self._nodes
         m = _same_kind_run(pages, start, stop)
-        run: list[int] = list(pages[start : start + m])  # type: ignore[arg-type]
+        # _same_kind_run from a page (the caller checked): no None in this run.
+        run = list(cast("Sequence[int]", pages[start : start + m]))
         self._free.claim(run)
         if store.page[leaf] == IN_RUN:  # already a run: grow it in place
-            store.key[leaf].extend(hashes[start : start + m])  # type: ignore[union-attr]
+            key = store.key[leaf]
+            assert isinstance(key, list), leaf  # a run of blocks is keyed by a list
+            key.extend(hashes[start : start + m])
             store.runs[leaf].extend(run)
         else:
-            key = [store.key[leaf], *hashes[start : start + m]]
-            store.set_run(leaf, key, page_run([store.page[leaf], *run]))  # type: ignore[list-item]
+            key = [store.first_hash(leaf), *hashes[start : start + m]]
+            store.set_run(leaf, key, page_run([store.page[leaf], *run]))
         self._num_cached_pages += m
         if store.lock_ref[leaf]:
             self._num_locked_pages += m
@@ -547,10 +553,10 @@ class HiRadixTree:
         """Give back pages from ``alloc`` that were never inserted."""
         self._free.give_back(pages)
 
-    def _fill(self, node: int, pages: Sequence[int | None], now: float) -> None:
+    def _fill(self, node: int, pages: Sequence[int], now: float) -> None:
         """A placeholder's blocks got pages: it becomes host-backed."""
         store = self._nodes
-        run = page_run(pages)  # type: ignore[arg-type]
+        run = page_run(pages)
         store.set_run(node, store.blocks(node), run)
         self._free.claim(run)
         self._num_cached_pages += len(run)
@@ -572,7 +578,8 @@ class HiRadixTree:
         if num_pages <= 0:
             return 0
         store = self._nodes
-        freed, hashes = 0, []
+        freed = 0
+        hashes: list[bytes] = []
         while freed < num_pages:
             node = self._queue.pop()
             if node is None:

@@ -1,4 +1,4 @@
-"""The L1 <-> L2 copy interface and its factory.
+"""The L1 <-> L2 copy interface (``factory.py`` builds its implementations).
 
 ``KVTransfer`` moves whole blocks between vLLM's KV tensors (L1) and the
 host pool (L2). Ids are paired by position: ``block_ids[i]`` <->
@@ -20,21 +20,15 @@ Calls touching disjoint blocks and pages may come from different threads
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
-from vllm_hicache.config import IO_BACKENDS
 from vllm_hicache.host.pool import HostKVPool
 from vllm_hicache.kernels.device_layout import DeviceKVLayout
 from vllm_hicache.kernels.plan import check_compatible
-
-logger = logging.getLogger(__name__)
-
 
 
 class KVTransfer(ABC):
@@ -150,43 +144,3 @@ def check_ids(
     if block_ids:
         assert 0 <= min(block_ids) and max(block_ids) < num_blocks, (block_ids, num_blocks)
         assert 0 <= min(page_ids) and max(page_ids) < num_pages, (page_ids, num_pages)
-
-
-def make_transfer(
-    io_backend: str,
-    kv_caches: Sequence[torch.Tensor],
-    layouts: Sequence[DeviceKVLayout],
-    pool: HostKVPool,
-) -> KVTransfer:
-    """Build the copy engine named by the resolved ``hicache_io_backend``.
-
-    Chooses nothing: ``config.resolve_conflicts`` decided the backend (and
-    the layout that goes with it) before the pool existed. ``kernel``
-    without its prerequisites is refused, naming what is missing.
-    """
-    if io_backend not in IO_BACKENDS:
-        raise ValueError(
-            f"unknown hicache_io_backend {io_backend!r}; accepted: {', '.join(IO_BACKENDS)}"
-        )
-    if io_backend == "direct":
-        from vllm_hicache.kernels.direct import DirectTransfer
-
-        return DirectTransfer(kv_caches, layouts, pool)
-    missing = kernel_io_missing(kv_caches[0].device.type == "cuda") or (
-        "" if pool.is_pinned else "a pinned host pool")
-    if missing:
-        raise ValueError(f"hicache_io_backend=kernel needs {missing}; resolve the "
-                         "configuration with config.resolve_conflicts first")
-    from vllm_hicache.kernels.kernel_transfer import KernelTransfer
-
-    return KernelTransfer(kv_caches, layouts, pool)
-
-
-def kernel_io_missing(device_is_cuda: bool) -> str:
-    """What the kernel backend lacks on this platform ('' when nothing);
-    the pinned pool, known only once allocated, is checked by the worker."""
-    if not (device_is_cuda and torch.cuda.is_available()):
-        return "CUDA"
-    if importlib.util.find_spec("triton") is None:
-        return "Triton, which is not installed"
-    return ""

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from typing_extensions import override
 
+from vllm_hicache.host.layout import as_dims5
 from vllm_hicache.host.pool import HostKVPool
 from vllm_hicache.kernels.base import KVTransfer, check_ids
 from vllm_hicache.kernels.device_layout import DeviceKVLayout
@@ -88,8 +89,8 @@ class KernelTransfer(KVTransfer):
             self._host_base, *self._layer_bases, layout.head_size * esize,
             *(s * esize for s in host + device),
         )
-        self._host_strides = tuple(s * esize // unit for s in host)
-        self._device_strides = tuple(s * esize // unit for s in device)
+        self._host_strides = as_dims5(s * esize // unit for s in host)
+        self._device_strides = as_dims5(s * esize // unit for s in device)
         self._bases = torch.tensor(
             [self._host_base, *self._layer_bases], dtype=torch.int64, device=self._device
         )

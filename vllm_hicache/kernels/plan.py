@@ -104,11 +104,11 @@ def layer_stride(kv_caches: Sequence[torch.Tensor]) -> int | None:
     if len(kv_caches) == 1:
         return None
     ptr = first.untyped_storage().data_ptr()
-    offsets = []
+    offsets: list[int] = []
     for tensor in kv_caches:
         if tensor.untyped_storage().data_ptr() != ptr or tensor.dtype != first.dtype:
             return None
-        offsets.append(tensor.storage_offset())
+        offsets.append(int(tensor.storage_offset()))
     stride = offsets[1] - offsets[0]
     if stride <= 0 or any(b - a != stride for a, b in zip(offsets, offsets[1:])):
         return None

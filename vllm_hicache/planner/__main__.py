@@ -12,8 +12,8 @@ from vllm_hicache.planner.report import CostModel, build_plan, format_report
 _COST = CostModel()
 
 
-def _sizes(text: str, unlimited: bool) -> list:
-    out = []
+def _sizes(text: str, unlimited: bool) -> list[float | None]:
+    out: list[float | None] = []
     for item in text.split(","):
         item = item.strip().lower()
         if unlimited and item in ("inf", "unlimited"):

@@ -135,7 +135,7 @@ class L1Cache:
             self._free.pop(key, None)
         self._refs[key] = refs + 1
 
-    def _allocate(self, keys: list, num_blocks: int) -> None:
+    def _allocate(self, keys: list[bytes | int], num_blocks: int) -> None:
         free = self._free
         for _ in range(max(0, num_blocks)):
             if free:
@@ -150,7 +150,7 @@ class L1Cache:
             self._refs[key] = 1
             keys.append(key)
 
-    def _cache(self, keys: list, chain: Chain, start: int) -> None:
+    def _cache(self, keys: list[bytes | int], chain: Chain, start: int) -> None:
         """Give the request's uncached blocks [start, len(chain)) their hashes."""
         for i in range(start, min(len(chain), len(keys))):
             key, h = keys[i], chain[i]

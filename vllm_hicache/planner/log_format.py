@@ -43,10 +43,10 @@ from __future__ import annotations
 import dataclasses
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import msgpack
 
@@ -98,11 +98,11 @@ class LogHeader:
         """L2 bytes of one block, all ranks together."""
         return self.page_bytes * self.ranks
 
-    def to_map(self) -> dict:
+    def to_map(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_map(cls, values: dict) -> LogHeader:
+    def from_map(cls, values: dict[str, Any]) -> LogHeader:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 
@@ -144,33 +144,37 @@ Record = Admit | Finish | Drops | Arrive
 # --- writing ------------------------------------------------------------------
 
 
-def pack_chain(hashes) -> bytes:
+def pack_chain(hashes: Iterable[bytes]) -> bytes:
     """vLLM block hashes -> their 8-byte prefixes, concatenated."""
     return b"".join([bytes(h[:HASH_BYTES]) for h in hashes])
 
 
+def _packb(obj: object) -> bytes:
+    # msgpack ships no type information; packb returns bytes.
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
+
+
 def encode_header(header: LogHeader) -> bytes:
-    return msgpack.packb(header.to_map(), use_bin_type=True)
+    return _packb(header.to_map())
 
 
 def encode_admit(t_ms: int, seq: int, step: int, prompt_tokens: int, l1: int, l2: int,
                  l3: int, priority: int, chain: bytes) -> bytes:
-    return msgpack.packb([ADMIT, t_ms, seq, step, prompt_tokens, l1, l2, l3, priority, chain],
-                         use_bin_type=True)
+    return _packb([ADMIT, t_ms, seq, step, prompt_tokens, l1, l2, l3, priority, chain])
 
 
 def encode_finish(t_ms: int, seq: int, step: int, num_blocks_held: int,
                   chain_ext: bytes) -> bytes:
-    return msgpack.packb([FINISH, t_ms, seq, step, num_blocks_held, chain_ext],
-                         use_bin_type=True)
+    return _packb([FINISH, t_ms, seq, step, num_blocks_held, chain_ext])
 
 
 def encode_drops(t_ms: int, num_dropped: int) -> bytes:
-    return msgpack.packb([DROPS, t_ms, num_dropped], use_bin_type=True)
+    return _packb([DROPS, t_ms, num_dropped])
 
 
 def encode_arrive(t_ms: int, seq: int, step: int) -> bytes:
-    return msgpack.packb([ARRIVE, t_ms, seq, step], use_bin_type=True)
+    return _packb([ARRIVE, t_ms, seq, step])
 
 
 def frame(payload: bytes) -> bytes:
@@ -252,14 +256,14 @@ def _unpack(payload: bytes) -> Iterator[object]:
     yield from unpacker
 
 
-def _record(obj, hash_bytes: int) -> Record | None:
+def _record(obj: object, hash_bytes: int) -> Record | None:
     if not isinstance(obj, list) or not obj:
         return None
     kind = obj[0]
     if kind == ADMIT and len(obj) >= 10:
-        return Admit(*obj[1:9], _split_chain(obj[9], hash_bytes))
+        return Admit._make((*obj[1:9], _split_chain(obj[9], hash_bytes)))
     if kind == FINISH and len(obj) >= 6:
-        return Finish(*obj[1:5], _split_chain(obj[5], hash_bytes))
+        return Finish._make((*obj[1:5], _split_chain(obj[5], hash_bytes)))
     if kind == DROPS and len(obj) >= 3:
         return Drops(obj[1], obj[2])
     if kind == ARRIVE and len(obj) >= 4:

@@ -4,6 +4,7 @@ and the L3 it simulates (L3Store). Pure module."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm_hicache.planner.l1 import Chain
@@ -31,7 +32,7 @@ class L3Store:
             if h in self._lru:
                 self._lru.move_to_end(h)
 
-    def write(self, hashes) -> None:
+    def write(self, hashes: Iterable[bytes]) -> None:
         lru = self._lru
         for h in hashes:
             if h not in lru:

@@ -3,8 +3,11 @@ returns None, without raising, when matplotlib is not installed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
+from vllm_hicache.planner.model import ReplayResult
 from vllm_hicache.planner.report import Plan, Sizing
 
 
@@ -26,14 +29,15 @@ def save_plots(plan: Plan, out_dir: str | Path) -> list[Path] | None:
     return paths
 
 
-def _l3_axis(plan: Plan) -> tuple[list, float]:
+def _l3_axis(plan: Plan) -> tuple[list[float], float]:
     """Finite L3 sizes, and where 'unlimited' is drawn (right of the largest)."""
     finite = sorted({p.l3_gb for p in plan.sweep if p.l3_gb is not None})
     top = max(finite) if finite and max(finite) > 0 else 1.0
     return finite, top * 2
 
 
-def _by_capacity(plt, plan: Plan, out: Path, name: str, ylabel: str, metric) -> Path:
+def _by_capacity(plt: ModuleType, plan: Plan, out: Path, name: str, ylabel: str,
+                 metric: Callable[[ReplayResult], float]) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     _, unlimited_x = _l3_axis(plan)
     for l2 in sorted({p.l2_gb for p in plan.sweep}):
@@ -54,7 +58,7 @@ def _by_capacity(plt, plan: Plan, out: Path, name: str, ylabel: str, metric) -> 
     return path
 
 
-def _reuse_cdf(plt, plan: Plan, path: Path) -> Path:
+def _reuse_cdf(plt: ModuleType, plan: Plan, path: Path) -> Path:
     sizing = Sizing(plan.header)
     cdf = plan.profile.cdf()
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -36,9 +36,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from vllm_hicache.index import HiRadixTree
+from vllm_hicache.index.node import LockHandle
 from vllm_hicache.planner.l1 import AdmitStep, ArriveStep, Chain, FinishStep, Step, loadable_blocks
 from vllm_hicache.planner.log_format import Admit
 from vllm_hicache.planner.model import L3Store, ReplayConfig, ReplayResult
@@ -110,15 +113,15 @@ class Hierarchy:
             while resident < len(a.chain) and (
                     a.in_l1[resident] or (resident < len(pages) and pages[resident] is not None)):
                 resident += 1
-            end = self._l3_hit(a.chain, resident)
+            end = self._l3_hit(self.l3, a.chain, resident)
             if end - resident >= self.cfg.l3_threshold_blocks:
                 self._lookups.append(_Lookup(a.seq, a.step, a.chain, resident, end))
 
-    def _l3_hit(self, chain: Chain, resident: int) -> int:
+    def _l3_hit(self, l3: L3Store, chain: Chain, resident: int) -> int:
         """start_lookup: where the L3 hit past ``resident`` ends (``resident``: none)."""
         if len(chain) - resident < self.cfg.l3_threshold_blocks:
             return resident
-        return resident + self.l3.prefix_len(chain[resident:])
+        return resident + l3.prefix_len(chain[resident:])
 
     def _advance(self, step: int, *, step_done: bool = False, seq: int | None = None) -> None:
         """Start the lookups whose build_connector_meta has come (that of
@@ -149,7 +152,8 @@ class Hierarchy:
         num = min(lk.end - start, self.max_prefetch_pages - self._inflight_pages)
         if num < threshold:
             return
-        pages = self._alloc(lk.chain, len(matched), num, partial=False)
+        with self._pinned(lk.chain, len(matched)):
+            pages = self.tree.alloc(num)
         if pages is None:
             return
         self._inflight_pages += num
@@ -157,9 +161,12 @@ class Hierarchy:
             _Prefetch(lk.seq, lk.step + LAND_STEPS, lk.chain[: start + num], start, pages))
 
     def _land(self, p: _Prefetch) -> None:
-        unused = self.tree.insert(p.chain, [None] * p.start + p.pages)
+        pages: list[int | None] = [None] * p.start
+        pages += p.pages
+        unused = self.tree.insert(p.chain, pages)
         if unused:
             self.tree.free(unused)
+        assert self.l3 is not None, "a prefetch reads from L3"
         self.l3.read(p.chain[p.start:])
         self._inflight_pages -= len(p.pages)
         self._fetched[p.seq] = (p.start, len(p.chain))
@@ -201,7 +208,7 @@ class Hierarchy:
         if self.l3 is not None and rec.seq not in self._arrived:
             # A log without ARRIVE records: look up L3 at admission.
             resident = l1_hit + len(self.tree.match(loadable).host_run(l1_hit))
-            end = self._l3_hit(loadable, resident)
+            end = self._l3_hit(self.l3, loadable, resident)
             if end - resident >= self.cfg.l3_threshold_blocks:
                 self._lookups.append(_Lookup(rec.seq, rec.step, loadable, resident, end))
         if self.cfg.prefetch_waits:
@@ -238,7 +245,7 @@ class Hierarchy:
             due = step + (block + 1) * self.cfg.block_size - num_tokens
             heapq.heappush(self._decode_due, (due, gen, seq, block))
 
-    def _store_decoded(self, step: int, locks: list | None = None) -> None:
+    def _store_decoded(self, step: int, locks: list[LockHandle] | None = None) -> None:
         """Store the decoded blocks complete by ``step``; their pins go to
         ``locks`` (None: their step is over, unpinned at once)."""
         due = self._decode_due
@@ -264,7 +271,7 @@ class Hierarchy:
         self._fetched.pop(f.seq, None)
         self._arrived.discard(f.seq)
 
-    def store(self, chain: Chain, lo: int, priority: int = 0) -> list:
+    def store(self, chain: Chain, lo: int, priority: int = 0) -> list[LockHandle]:
         """StorePlanner.store_range of blocks [lo, len(chain)), then their backup;
         returns the lock that pins what it stored (none if nothing)."""
         if not self.write.stores_on_compute or lo >= len(chain):
@@ -274,7 +281,8 @@ class Hierarchy:
         want = self.write.select(chain, match.missing(lo, len(chain)))
         if not want:
             return []
-        pages = self._alloc(chain, match.num_blocks, len(want), partial=True)
+        with self._pinned(chain, match.num_blocks):
+            pages = self.tree.alloc_up_to(len(want))
         want = want[: len(pages)]
         if not want:
             return []
@@ -287,7 +295,8 @@ class Hierarchy:
         matched = self.tree.match(chain).pages
         if len(matched) == len(chain) and matched[-1] is not None:
             return
-        pages = self._alloc(chain, len(matched), 1, partial=False)
+        with self._pinned(chain, len(matched)):
+            pages = self.tree.alloc(1)
         if pages is not None:
             self._insert(chain, [len(chain) - 1], pages, 0)
 
@@ -302,10 +311,12 @@ class Hierarchy:
             self.l3.write(chain[i] for i in blocks)
             self.result.l3_peak_objects = max(self.result.l3_peak_objects, len(self.l3))
 
-    def _alloc(self, chain: Chain, num_matched: int, num_pages: int, partial: bool):
+    @contextmanager
+    def _pinned(self, chain: Chain, num_matched: int) -> Iterator[None]:
+        """Pin the matched prefix of ``chain`` while allocating (which may evict)."""
         lock = self.tree.lock(chain, num_matched) if num_matched else None
         try:
-            return self.tree.alloc_up_to(num_pages) if partial else self.tree.alloc(num_pages)
+            yield
         finally:
             if lock is not None:
                 self.tree.unlock(lock)
@@ -315,19 +326,20 @@ def replay(steps: list[Step], cfg: ReplayConfig) -> ReplayResult:
     """Replay ``l1_pass``'s steps through L2 and L3 of one size."""
     tiers = Hierarchy(cfg)
     write_back = cfg.write_policy == "write_back"
-    batch: list[ArriveStep | AdmitStep] = []
+    # The batch of one step: arrivals or admissions, never both at once.
+    arrivals: list[ArriveStep] = []
+    admits: list[AdmitStep] = []
 
     def end_batch() -> None:
-        if not batch:
-            return
-        if isinstance(batch[0], ArriveStep):
-            tiers.arrive_step(batch)
-        else:
-            tiers.admit_step(batch)
+        if arrivals:
+            tiers.arrive_step(arrivals)
+            arrivals.clear()
+        if admits:
+            tiers.admit_step(admits)
             if write_back:
-                for chain in (c for adm in batch for c in adm.evicted):
+                for chain in (c for adm in admits for c in adm.evicted):
                     tiers.write_back(chain)
-        batch.clear()
+            admits.clear()
 
     for step in steps:
         if isinstance(step, FinishStep):
@@ -337,9 +349,13 @@ def replay(steps: list[Step], cfg: ReplayConfig) -> ReplayResult:
                 for chain in step.evicted:
                     tiers.write_back(chain)
             continue
+        batch: list[ArriveStep] | list[AdmitStep] = arrivals or admits
         if batch and (type(batch[0]) is not type(step) or _step_of(batch[0]) != _step_of(step)):
             end_batch()
-        batch.append(step)
+        if isinstance(step, ArriveStep):
+            arrivals.append(step)
+        else:
+            admits.append(step)
     end_batch()
     return tiers.result
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from vllm_hicache.planner.l1 import l1_pass
 from vllm_hicache.planner.log_format import AccessLog, Admit, LogHeader
-from vllm_hicache.planner.replay import ReplayConfig, ReplayResult, replay
+from vllm_hicache.planner.model import ReplayConfig, ReplayResult
+from vllm_hicache.planner.replay import replay
 from vllm_hicache.planner.reuse import ReuseProfile, knee, reuse_profile
 
 GB = 1e9
@@ -130,16 +131,17 @@ def served_sizes(header: LogHeader) -> tuple[float, float | None]:
     return l2, (header.l3_capacity_bytes / GB if header.l3_capacity_bytes else None)
 
 
-def default_grid(header: LogHeader, profile: ReuseProfile) -> tuple[list[float], list]:
+def default_grid(header: LogHeader,
+                 profile: ReuseProfile) -> tuple[list[float], list[float | None]]:
     """L2 sizes around the log's footprint; L3 from none to unlimited."""
     sizing = Sizing(header)
     footprint = sizing.l2_gb(max(1, profile.distinct_blocks))
     served_l2, served_l3 = served_sizes(header)
     l2 = sorted({_round(footprint * f) for f in (1 / 16, 1 / 4, 1)} | {_round(served_l2)})
-    l3: set = {0.0} | {_round(footprint * f) for f in (1 / 4, 1 / 2, 1)}
+    l3: set[float] = {0.0} | {_round(footprint * f) for f in (1 / 4, 1 / 2, 1)}
     if served_l3:
         l3.add(_round(served_l3))
-    return l2, sorted(l3) + [None]
+    return l2, [*sorted(l3), None]
 
 
 def _round(gb: float) -> float:

@@ -9,12 +9,13 @@ by the ``EvictableNode`` protocol below).
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from typing import Protocol
 
-try:
+if sys.version_info >= (3, 12):
     from typing import override
-except ImportError:  # Python < 3.12
+else:
     from typing_extensions import override
 
 # A policy's sort key: compared with ``<`` only, lower is evicted first.

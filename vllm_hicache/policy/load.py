@@ -167,14 +167,23 @@ class PrefillModel:
     _N_UNIT = 1e3
     _A_UNIT = 1e6
 
+    # Fitted state, emptied by reset(): steps observed, the decayed sums of
+    # the normal equations (n: tokens, a: attention pairs, t: seconds) and
+    # the fit (None while cold).
+    samples: int
+    _snn: float
+    _sna: float
+    _saa: float
+    _snt: float
+    _sat: float
+    _coef: tuple[float, float] | None
+
     def __init__(self, decay: float = PREFILL_DECAY, min_samples: int = MIN_SAMPLES,
                  clip: float = CLIP) -> None:
         self.decay = decay
         self.min_samples = min_samples
         self.clip = clip
-        self.samples = 0
-        self._snn = self._sna = self._saa = self._snt = self._sat = 0.0
-        self._coef: tuple[float, float] | None = None
+        self.reset()
 
     def observe(self, num_tokens: int, attn_pairs: float, seconds: float) -> None:
         if num_tokens <= 0 or not 0 < seconds <= MAX_STEP_S:
@@ -252,7 +261,10 @@ class PrefillModel:
         return num_tokens / seconds
 
     def reset(self) -> None:
-        self.__init__(self.decay, self.min_samples, self.clip)
+        """Forget every sample (the settings stay)."""
+        self.samples = 0
+        self._snn = self._sna = self._saa = self._snt = self._sat = 0.0
+        self._coef = None
 
 
 class LoadDecider:

@@ -63,6 +63,11 @@ class Deferred:
         return (self.hits, -self.blocks[0], self.seq)
 
 
+# A heap item: (a Deferred.value(), negated for the max-heap; entry id; the
+# entry's version when pushed).
+_HeapItem = tuple[tuple[int, int, int], int, int]
+
+
 class BackupBacklog:
     """Bounded queue of deferred backups, most valuable out first, least
     valuable dropped first (see module doc)."""
@@ -75,8 +80,8 @@ class BackupBacklog:
         self._by_hash: dict[bytes, int] = {}   # a deferred block's hash -> its entry
         self._seq = itertools.count()
         # Lazy heaps of (key, entry id, version); stale items are skipped.
-        self._best: list = []    # max-heap by value (negated keys)
-        self._worst: list = []   # min-heap by value
+        self._best: list[_HeapItem] = []    # max-heap by value (negated keys)
+        self._worst: list[_HeapItem] = []   # min-heap by value
         self.num_blocks = 0
 
     def __len__(self) -> int:
@@ -157,7 +162,7 @@ class BackupBacklog:
         heapq.heappush(self._best, ((-v[0], -v[1], -v[2]), seq, entry.version))
         heapq.heappush(self._worst, (v, seq, entry.version))
 
-    def _pop(self, heap: list) -> int:
+    def _pop(self, heap: list[_HeapItem]) -> int:
         """The id of the top live entry of ``heap`` (not removed from the backlog)."""
         while True:
             _, seq, version = heapq.heappop(heap)

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from typing_extensions import Buffer
 
 from vllm_hicache.storage.buffers import total_bytes
 
@@ -56,7 +57,7 @@ def object_path(root: str, key: str) -> str:
     return f"{root}/{h >> 8 & 0xFF:02x}/{h & 0xFF:02x}/{key}{OBJECT_SUFFIX}"
 
 
-def _views(buffers: Sequence[np.ndarray]) -> list[memoryview]:
+def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
     return [memoryview(b).cast("B") for b in buffers]
 
 
@@ -84,7 +85,7 @@ def read_object(path: str, buffers: Sequence[np.ndarray]) -> int:
         # short only at EOF (or on a signal, or past 2 GiB per call), so a
         # read that stops at ``expected`` found the end, and a shorter one is
         # resumed until it progresses no more: no fstat needed to check size.
-        views = [*buffers, bytearray(1)]
+        views: list[Buffer] = [*buffers, bytearray(1)]
         done = os.preadv(fd, views, 0)
         while done < expected:
             n = os.preadv(fd, _advance(_views(views), done), done)

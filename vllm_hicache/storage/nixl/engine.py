@@ -249,8 +249,9 @@ class NixlEngine:
 
     def _finish(self, job: Job, ok: bool) -> None:
         try:
-            if job.dram_reg is not None:
-                job.dram_reg, shared = None, job.dram_reg
+            shared = job.dram_reg
+            if shared is not None:
+                job.dram_reg = None
                 shared.release()
             job.done = bool(job.finish(ok))
         except Exception:  # noqa: BLE001 - a failed commit is this key's miss

@@ -114,10 +114,11 @@ class ObjStore:
         alone in its request, a GET has ended when its request says DONE or ERR."""
         total = total_bytes(target)
         slot = self.staging.take(total) if total else None
-        registered = self._register(key) if slot is not None else None
+        if slot is None:
+            return []
+        registered = self._register(key)
         if registered is None:
-            if slot is not None:
-                self.staging.give(slot)
+            self.staging.give(slot)
             return []
         dev_id, reg = registered
         cut = total - 1  # the probe byte: an object shorter than total fails its GET
@@ -145,10 +146,11 @@ class ObjStore:
     def _write_job(self, key: str, source: Buffers) -> Job | None:
         total = total_bytes(source)
         slot = self.staging.take(total) if total else None
-        registered = self._register(key) if slot is not None else None
+        if slot is None:
+            return None
+        registered = self._register(key)
         if registered is None:
-            if slot is not None:
-                self.staging.give(slot)
+            self.staging.give(slot)
             return None
         dev_id, reg = registered
         gather(source, slot)

@@ -1,0 +1,14 @@
+"""Names of the L1 <-> L2 copy backends: the values ``hicache_io_backend`` accepts.
+
+Pure module (no torch): ``config.py`` validates the option against these
+names, and ``kernels/__init__.py`` loads its torch-backed modules lazily so
+that importing this one stays cheap. ``factory.make_transfer`` builds the
+backend a name stands for.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# "kernel": Triton copies (CUDA only); "direct": torch copies.
+IO_BACKENDS: Final = ("kernel", "direct")
