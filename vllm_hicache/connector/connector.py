@@ -35,18 +35,18 @@ from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_hicache import log_through_vllm
+from vllm_hicache.admin.api import start_admin_api
+from vllm_hicache.admin.storage_control import make_control
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
-from vllm_hicache.connector.admin_api import start_admin_api
 from vllm_hicache.connector.geometry import KVGeometry, fit_config_to_groups, geometry_from
 from vllm_hicache.connector.kv_events import KVEventLog, kv_events_enabled
-from vllm_hicache.connector.l3_attach import make_control
-from vllm_hicache.connector.l3_setup import build_planner, check_shareable_hashes
 from vllm_hicache.connector.metadata import HiCacheMetadata
 from vllm_hicache.connector.metrics import HiCacheKVConnectorStats, HiCachePromMetrics
-from vllm_hicache.connector.pd import pd_role
-from vllm_hicache.connector.scheduler import HiCacheScheduler
 from vllm_hicache.connector.worker import HiCacheWorker
 from vllm_hicache.kernels import kernel_io_missing
+from vllm_hicache.l3.setup import build_planner, check_shareable_hashes
+from vllm_hicache.scheduler.pd import pd_role
+from vllm_hicache.scheduler.scheduler import HiCacheScheduler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -243,7 +243,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.events = KVEventLog(kv_events_enabled(vllm_config), geom.block_size)
             logger.info("%s", start_line(cfg, geom, self.scheduler.num_pages,
                                          parallel.local_world_size))
-            # Runtime attach/detach of L3 (l3_attach.py, admin_api.py).
+            # Runtime attach/detach of L3 (admin/storage_control.py, admin/api.py).
             self.scheduler.storage_control = make_control(self.scheduler, geom, vllm_config)
             self._admin_api = start_admin_api(self.scheduler.storage_control, cfg, vllm_config)
         else:

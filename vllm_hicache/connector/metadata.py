@@ -86,7 +86,7 @@ class PrefetchProgress(NamedTuple):
 
 @dataclass(frozen=True)
 class StorageCommand:
-    """Attach or detach this rank's L3 client (admin API; l3_attach.py).
+    """Attach or detach this rank's L3 client (admin API; admin/storage_control.py).
     Run first, before any other operation of its step; acknowledged in
     ``HiCacheWorkerMetadata.storage_acks``. ``storage_keys``: the
     ``hicache_storage_*`` keys, as kv_connector_extra_config holds them, that

@@ -30,11 +30,9 @@ import time
 import torch
 
 from vllm_hicache import io_threads
+from vllm_hicache.common.stats import CopyClock, WorkerCounters, key, l3_usage_gauges
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
-from vllm_hicache.connector.l3_attach_worker import run_storage_command
-from vllm_hicache.connector.l3_setup import build_storage_io
-from vllm_hicache.connector.l3_worker import StorageIO
 from vllm_hicache.connector.metadata import (
     BackupJob,
     BlockCopy,
@@ -42,12 +40,14 @@ from vllm_hicache.connector.metadata import (
     HiCacheWorkerMetadata,
     LoadJob,
 )
-from vllm_hicache.connector.stats import CopyClock, WorkerCounters, key, l3_usage_gauges
 from vllm_hicache.connector.vllm_compat import cpu_compute_cores
 from vllm_hicache.datapath import NO_COPY, Copy, KVDataPath, Load, allocate_pool
 from vllm_hicache.datapath.grouped import block_view
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor
+from vllm_hicache.l3.attach_worker import run_storage_command
+from vllm_hicache.l3.setup import build_storage_io
+from vllm_hicache.l3.worker_io import StorageIO
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class HiCacheWorker:
         self._meta: HiCacheMetadata | None = None
         self._evicted_for: HiCacheMetadata | None = None
         self._io: StorageIO | None = None
-        # Acks of admin attach/detach commands (l3_attach.py) not yet reported.
+        # Acks of admin attach/detach commands (admin/storage_control.py) not yet reported.
         self._storage_acks: dict[int, dict[int, str]] = {}
         # Metrics (stats.py): bytes and seconds of this rank's copies.
         self.counters = WorkerCounters()

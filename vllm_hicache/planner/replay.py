@@ -1,7 +1,7 @@
 """Replay an access log's steps (l1.py's ``l1_pass``) through L2 (the
 HiRadixTree with the configured policies) and L3 (an LRU of objects).
 
-It mirrors the scheduler half (connector/scheduler.py, l3_scheduler.py)
+It mirrors the scheduler half (scheduler/scheduler.py, l3/planner.py)
 scheduler step by scheduler step (the log says which step admitted each
 request, and before which step it arrived):
 

@@ -4,7 +4,7 @@
 - write_through_selective: a block once it has been hit at least twice
   (computed once and reused once, counted per request that uses it).
 - write_back: nothing on compute; a block is copied only when vLLM is about
-  to evict it from L1 (see connector/write_back.py).
+  to evict it from L1 (see scheduler/write_back.py).
 
 Hit counts for blocks not yet in L2 live in a bounded LRU table, so a long run
 cannot grow it without limit. Pure module: no torch, no vllm.
