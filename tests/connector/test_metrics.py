@@ -197,8 +197,9 @@ def test_copy_clock_times_cuda_copies_when_the_gpu_is_done(monkeypatch):
     end event has completed (events resolved in order, bounded)."""
     import torch
 
-    from vllm_hicache.common import stats as stats_mod
-    from vllm_hicache.common.stats import CopyClock, WorkerCounters
+    from vllm_hicache.common.stats import WorkerCounters
+    from vllm_hicache.datapath import clock as stats_mod
+    from vllm_hicache.datapath.clock import CopyClock
 
     class TimedEvent:
         clock_ms = 0.0

@@ -13,8 +13,8 @@ import torch
 
 from tests.connector.mem_backend import STORES, MemBackend
 from tests.kernels.kv_factory import make_kv_layers
+from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.connector.geometry import KVGeometry
-from vllm_hicache.connector.metadata import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor
 from vllm_hicache.keys import KeyNamespace
@@ -220,7 +220,7 @@ def test_failing_reads_of_an_intact_object_are_not_a_failure(make_store, caplog)
 
 def test_disabled_worker_still_completes_the_schedulers_ops(make_store):
     pages = make_store(FlippingBackend)
-    io = StorageIO(guard_with_canary(pages), rank=0, writes=True)
+    io = StorageIO(guard_with_canary(pages), worker_id=0, writes=True)
     try:
         io.submit_backup(BackupJob(1, (b"b" * 32,), (1,)))
         io.submit_prefetch(PrefetchJob(2, (b"b" * 32,), (2,)))

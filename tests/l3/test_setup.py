@@ -437,7 +437,7 @@ def test_worker_reports_are_told_apart_across_stages(monkeypatch):
     stage's layers missing."""
     from vllm.distributed import parallel_state
 
-    from vllm_hicache.l3.setup import num_worker_ranks, worker_rank
+    from vllm_hicache.l3.setup import num_workers, worker_id
 
     vllm_config = fake_config(pp=2, tp=2)
     ids = set()
@@ -447,5 +447,5 @@ def test_worker_reports_are_told_apart_across_stages(monkeypatch):
                                 lambda r=tp_rank: r)
             monkeypatch.setattr(parallel_state, "get_pp_group",
                                 lambda p=pp_rank: SimpleNamespace(rank_in_group=p))
-            ids.add(worker_rank(vllm_config))
-    assert ids == set(range(num_worker_ranks(vllm_config))) == {0, 1, 2, 3}
+            ids.add(worker_id(vllm_config))
+    assert ids == set(range(num_workers(vllm_config))) == {0, 1, 2, 3}

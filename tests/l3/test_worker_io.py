@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.connector.mem_backend import STORES, MemBackend
-from vllm_hicache.connector.metadata import BackupJob, PrefetchJob, PrefetchProgress
+from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.l3 import worker_io as l3_worker
@@ -84,7 +84,7 @@ def landed(pages: PageStore, page: int) -> bool:
 
 def test_queued_backups_drain_at_shutdown(store, caplog):
     store.backend.put_delay_s = 0.2
-    io = StorageIO(store, rank=0, writes=True, num_threads=1)
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
     for page in range(4):
         io.submit_backup(backup(page, page))
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -100,7 +100,7 @@ def test_queued_backups_drain_at_shutdown(store, caplog):
 def test_stuck_backend_cannot_hang_shutdown(store, caplog):
     store.backend.put_gate = threading.Event()  # never set during the test
     drain_timeout_s = 0.5
-    io = StorageIO(store, rank=0, writes=True, num_threads=1,
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1,
                    drain_timeout_s=drain_timeout_s)
     for page in range(3):
         io.submit_backup(backup(page, page))
@@ -118,7 +118,7 @@ def test_stuck_backend_cannot_hang_shutdown(store, caplog):
 def test_queued_prefetches_are_cancelled_at_shutdown(store, caplog):
     gate = threading.Event()
     store.backend.put_gate = gate
-    io = StorageIO(store, rank=0, writes=True, num_threads=1)
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
     io.submit_backup(backup(0, 0))  # occupies the only thread until the gate opens
     io.submit_prefetch(PrefetchJob(10, (bytes([0]) * 8,), (8,)))
     io.submit_prefetch(PrefetchJob(11, (bytes([1]) * 8,), (9,)))
@@ -134,7 +134,7 @@ def test_queued_prefetches_are_cancelled_at_shutdown(store, caplog):
 
 def test_running_prefetch_stops_at_next_batch(store, monkeypatch):
     monkeypatch.setattr(l3_worker, "BATCH_PAGES", 2)
-    io = StorageIO(store, rank=0, writes=True, num_threads=1)
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
     hashes = tuple(bytes([p]) * 8 for p in range(4))
     for page in range(4):
         io.submit_backup(backup(page, page))
@@ -160,7 +160,7 @@ def test_backup_then_prefetch_carries_page_states(store, monkeypatch):
     with the prefetch, per page, across batches."""
     monkeypatch.setattr(l3_worker, "BATCH_PAGES", 2)
     store.page_states = True
-    io = StorageIO(store, rank=0, writes=True, num_threads=1)
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
     try:
         hashes = tuple(bytes([p]) * 8 for p in range(5))
         io.submit_backup(BackupJob(1, hashes, (0, 1, 2, 3, 4),

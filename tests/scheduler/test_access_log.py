@@ -47,7 +47,7 @@ def request(req_id: str, hashes: list[bytes], num_tokens: int, **kw) -> SimpleNa
 
 
 class FakePlanner:
-    """StoragePlanner.prefetched_range, for the L2/L3 split."""
+    """L3Planner.prefetched_range, for the L2/L3 split."""
 
     def __init__(self, ranges: dict[str, tuple[int, int]]) -> None:
         self.ranges = ranges

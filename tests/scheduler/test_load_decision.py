@@ -70,7 +70,7 @@ def test_slow_l3_hit_is_declined_and_recomputed(tiny_model_dir):
     assert h.load_checks and all(h.load_checks)
     # The declined prefetch still ran, in the background, into L2.
     deadline = time.monotonic() + 5
-    while h.sched_half.l3.has_open_prefetches() and time.monotonic() < deadline:
+    while h.sched_half.l3.in_flight()["prefetches"] and time.monotonic() < deadline:
         h.step()
         time.sleep(0.01)
     sent = kv_stats_sent(h)

@@ -63,15 +63,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_hicache import io_threads
-from vllm_hicache.common.page_ops import OpKind, PageOps
-from vllm_hicache.connector.metadata import BackupJob, StorageCommand
+from vllm_hicache.common.jobs import BackupJob, StorageCommand
+from vllm_hicache.common.redact import REDACTED, redacted, shown_error
 from vllm_hicache.l3.backfill import Backfill
-from vllm_hicache.policy.write import WritePolicy
 from vllm_hicache.storage_config import StorageConfig
 
 if TYPE_CHECKING:
     from vllm_hicache.config import HiCacheConfig
-    from vllm_hicache.l3.planner import StoragePlanner
+    from vllm_hicache.l3.planner import L3Planner
     from vllm_hicache.scheduler.scheduler import HiCacheScheduler
 
 logger = logging.getLogger(__name__)
@@ -84,9 +83,6 @@ DRAIN_TIMEOUT_S = 10.0
 ACK_TIMEOUT_S = 120.0
 BACKFILL_PAGES_PER_STEP = 256
 BACKFILL_MAX_INFLIGHT_PAGES = 1024
-
-Answer = tuple[int, dict[str, Any]]
-
 
 @dataclass(frozen=True)
 class AttachSpec:
@@ -119,7 +115,7 @@ class _Txn:
     cmd: _Command
     cmd_id: int
     deadline: float
-    planner: StoragePlanner | None = None
+    planner: L3Planner | None = None
     write_policy: str | None = None
     canary_pages: list[int] = field(default_factory=list)
     acks: dict[int, str] = field(default_factory=dict)
@@ -140,7 +136,7 @@ class StorageControl:
     def __init__(
         self,
         sched: HiCacheScheduler,
-        build_planner: Callable[[HiCacheConfig], StoragePlanner],
+        build_planner: Callable[[HiCacheConfig], L3Planner],
         world_size: int,
         check_attachable: Callable[[], None] = lambda: None,
         waker: Callable[[], None] | None = None,
@@ -260,7 +256,7 @@ class StorageControl:
     def _idle_verdict(self, cmd: _Command, num_running: int, now: float):
         """None: go; "wait": transfers are draining; else the 409 body."""
         sched = self._sched
-        num_requests = len(sched._reqs)  # every request vLLM has not finished
+        num_requests = sched.num_requests()  # every request vLLM has not finished
         if num_requests:
             running = min(num_running, num_requests)
             return {"error": f"{cmd.kind} refused: the engine is not idle ({running} running, "
@@ -284,9 +280,7 @@ class StorageControl:
 
     def transfers(self) -> dict[str, int]:
         sched = self._sched
-        counts = {"backups": sched.ops.num_live(OpKind.BACKUP),
-                  "async_loads": sched.ops.num_live(OpKind.ASYNC_LOAD),
-                  "prefetches": 0, "lookups": 0,
+        counts = {**sched.live_transfers(), "prefetches": 0, "lookups": 0,
                   "clear": int(self._clearing is not None and not self._clearing.done())}
         if sched.l3 is not None:
             inflight = sched.l3.in_flight()
@@ -317,11 +311,11 @@ class StorageControl:
         try:
             planner = self._build_planner(cfg)
         except (ValueError, TypeError) as err:
-            _answer(cmd, 400, {"error": _shown_error(err), "field": "extra_config"})
+            _answer(cmd, 400, {"error": shown_error(err), "field": "extra_config"})
             return None
         except Exception as err:  # noqa: BLE001 - a store that cannot be reached
             _answer(cmd, 502, {"error": f"backend {spec.backend!r} failed to start: "
-                                        f"{_shown_error(err)}"})
+                                        f"{shown_error(err)}"})
             return None
         canary = sched.tree.alloc(2)
         if canary is None:
@@ -341,13 +335,13 @@ class StorageControl:
         if planner is None:
             _answer(cmd, 200, dict(self.snapshot(), message="no storage backend was attached"))
             return None
-        sched.l3 = None  # nothing more is planned for L3 from this step on
+        sched.detach_l3()  # nothing more is planned for L3 from this step on
         self._backfill = None
         self._txn = _Txn("detach", cmd, next(self._cmd_ids), now + self.ack_timeout_s, planner)
         logger.info("HiCache L3: detaching backend %r", planner.cfg.backend)
         return StorageCommand(self._txn.cmd_id, "detach")
 
-    def _update_policies(self, cmd: _Command, spec: AttachSpec, planner: StoragePlanner) -> None:
+    def _update_policies(self, cmd: _Command, spec: AttachSpec, planner: L3Planner) -> None:
         current = planner.cfg
         if spec.backend != current.backend:
             _answer(cmd, 409, {"error": f"backend {current.backend!r} is attached; detach it "
@@ -364,22 +358,19 @@ class StorageControl:
         planner.update_policy(dataclasses.replace(new, prefetch_policy=policy))
         self._set_write_policy(spec.write_policy)
         logger.info("HiCache L3: backend %r policies updated: prefetch=%s write=%s",
-                    current.backend, policy, self._sched.stores.write_policy.name)
+                    current.backend, policy, self._sched.write_policy)
         _answer(cmd, 200, dict(self.snapshot(), message="policies updated"))
 
     def _write_policy_problem(self, name: str | None) -> str:
-        current = self._sched.stores.write_policy.name
+        current = self._sched.write_policy
         if name is None or name == current or "write_back" not in (name, current):
             return ""
         return (f"hicache_write_policy cannot change from {current} to {name} at run time "
                 "(write_back hooks vLLM's block pool at start); restart with it")
 
     def _set_write_policy(self, name: str | None) -> None:
-        sched = self._sched
-        if name is None or name == sched.stores.write_policy.name:
-            return
-        sched.stores.write_policy = WritePolicy(name, 4 * sched.num_pages)
-        sched.cfg = dataclasses.replace(sched.cfg, hicache_write_policy=name)
+        if name is not None:
+            self._sched.set_write_policy(name)
 
     def on_acks(self, acks: Mapping[int, Mapping[int, str]]) -> None:
         """Worker acknowledgements (update_connector_output)."""
@@ -408,7 +399,7 @@ class StorageControl:
             if failed:
                 self._roll_back(txn, failed)
                 return
-            sched.l3 = txn.planner
+            sched.attach_l3(txn.planner)
             self._set_write_policy(txn.write_policy)
             self._backfill_done = None
             self._backfill = Backfill(sched.tree.hot_nodes(), BACKFILL_PAGES_PER_STEP,
@@ -462,7 +453,7 @@ class StorageControl:
                 planner.clear_storage()
             except Exception as err:  # noqa: BLE001 - reported in the answer
                 logger.warning("HiCache L3: clearing backend %r failed: %r", name, err)
-                _answer(cmd, 502, {"error": f"clearing {name!r} failed: {_shown_error(err)}"})
+                _answer(cmd, 502, {"error": f"clearing {name!r} failed: {shown_error(err)}"})
             else:
                 logger.info("HiCache L3: backend %r cleared", name)
                 _answer(cmd, 200, {"backend": name, "message": "cleared"})
@@ -474,7 +465,7 @@ class StorageControl:
 
     # --- backfill ----------------------------------------------------------
 
-    def plan_backfill(self, ops: PageOps, step: int) -> list[BackupJob]:
+    def plan_backfill(self, step: int) -> list[BackupJob]:
         """This step's share of the backfill, as one BACKUP op."""
         backfill, planner = self._backfill, self._sched.l3
         if backfill is None or planner is None or self._backfill_paused:
@@ -489,7 +480,7 @@ class StorageControl:
                 self._backfill_done = backfill.report(planner)
                 self._backfill = None
             return []
-        jobs = planner.plan_backup(ops, ranges, step)
+        jobs = planner.plan_backup(ranges, step)
         backfill.opened(jobs[0].op_id, sum(len(r.pages) for r in ranges))
         return jobs
 
@@ -501,12 +492,10 @@ class StorageControl:
         sched = self._sched
         planner = sched.l3
         storage = planner.cfg if planner is not None else None
-        tree = sched.tree
         state = "attached" if planner is not None else "detached"
         if self._txn is not None:
             state = {"attach": "attaching", "detach": "detaching",
                      "rollback": "rolling back"}[self._txn.kind]
-        stats = dataclasses.asdict(sched.stats) if dataclasses.is_dataclass(sched.stats) else {}
         body: dict[str, Any] = {
             "backend": storage.backend if storage is not None else None,
             "state": state,
@@ -518,12 +507,9 @@ class StorageControl:
                 "timeout_per_ki_token_s": storage.prefetch_timeout_per_ki_token,
                 "timeout_max_s": storage.prefetch_timeout_max,
             },
-            "write_policy": sched.stores.write_policy.name,
-            "tiers": {"l2": {
-                "pages_total": tree.num_pages, "pages_used": tree.num_cached_pages,
-                "pages_pinned": tree.num_locked_pages, "pages_free": tree.num_free_pages,
-            }},
-            "stats": stats,
+            "write_policy": sched.write_policy,
+            "tiers": {"l2": sched.occupancy()},
+            "stats": sched.stats_snapshot(),
             "l3_stats": None if planner is None else {
                 "prefetched_blocks": planner.prefetched_blocks,
                 "backed_up_blocks": planner.backed_up_blocks,
@@ -531,7 +517,7 @@ class StorageControl:
             },
             "backfill": (self._backfill.report(planner) if self._backfill is not None
                          else self._backfill_done),
-            "requests": len(sched._reqs),
+            "requests": sched.num_requests(),
             "transfers": self.transfers(),
         }
         return body
@@ -545,23 +531,14 @@ def _same_store(a: StorageConfig, b: StorageConfig) -> bool:
 
 
 def _shown_options(storage: StorageConfig) -> dict[str, Any]:
-    from vllm_hicache.connector.connector import redacted
-
     shown = redacted(dict(storage.backend_options))
     if getattr(storage, "secret", None) is not None:
-        shown["storage_secret"] = "<redacted>"
+        shown["storage_secret"] = REDACTED
         shown["storage_encrypt"] = bool(getattr(storage, "encrypt", False))
     return shown
 
 
-def _shown_error(err: BaseException) -> str:
-    """An error for an HTTP answer or a log: URL credentials redacted."""
-    from vllm_hicache.connector.connector import redacted
-
-    return redacted(f"{type(err).__name__}: {err}")
-
-
-def _close_quietly(planner: StoragePlanner | None) -> None:
+def _close_quietly(planner: L3Planner | None) -> None:
     if planner is None:
         return
     try:
@@ -579,13 +556,14 @@ def make_control(sched: HiCacheScheduler, geom, vllm_config) -> StorageControl:
     from vllm_hicache.l3.setup import (
         build_planner,
         check_shareable_hashes,
-        num_worker_ranks,
+        num_workers,
     )
 
     return StorageControl(
         sched,
-        lambda cfg: build_planner(cfg, geom, vllm_config, sched.num_pages, sched.page_states),
-        num_worker_ranks(vllm_config),
+        lambda cfg: build_planner(cfg, geom, vllm_config, sched.num_pages, sched.page_states,
+                                  sched.l3_context()),
+        num_workers(vllm_config),
         lambda: check_shareable_hashes(vllm_config),
         engine_loop_waker(),
     )

@@ -17,7 +17,7 @@ while a copy still reads or writes it. The terminal events:
 step's copies in order (stores of N before anything of N+1, and L3 threads
 wait on an event recorded after them), so any later use of a page released
 then is ordered after its copy. L3 prefetches write pages that are not in
-the tree yet (allocated, not inserted); ``StoragePlanner`` owns those.
+the tree yet (allocated, not inserted); ``L3Planner`` owns those.
 
 Who writes a page excludes everyone else: a page in a live STORE is in no
 other live operation, except a BACKUP of the same step (ordered after the

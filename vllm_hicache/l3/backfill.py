@@ -18,7 +18,7 @@ from vllm_hicache.common.page_ops import PinnedRange
 
 if TYPE_CHECKING:
     from vllm_hicache.index import HiRadixTree
-    from vllm_hicache.l3.planner import StoragePlanner
+    from vllm_hicache.l3.planner import L3Planner
 
 
 class Backfill:
@@ -39,15 +39,15 @@ class Backfill:
     def pending(self) -> bool:
         return self._next < len(self._nodes)
 
-    def inflight_pages(self, planner: StoragePlanner) -> int:
+    def inflight_pages(self, planner: L3Planner) -> int:
         for op_id in [o for o in self._open if not planner.is_backup_open(o)]:
             del self._open[op_id]
         return sum(self._open.values())
 
-    def can_plan(self, planner: StoragePlanner) -> bool:
+    def can_plan(self, planner: L3Planner) -> bool:
         return self.pending and self.inflight_pages(planner) < self.max_inflight_pages
 
-    def done(self, planner: StoragePlanner) -> bool:
+    def done(self, planner: L3Planner) -> bool:
         return not self.pending and self.inflight_pages(planner) == 0
 
     def next_ranges(self, tree: HiRadixTree, budget: int) -> list[PinnedRange]:
@@ -77,7 +77,7 @@ class Backfill:
         self._open[op_id] = num_pages
         self.queued_pages += num_pages
 
-    def report(self, planner: StoragePlanner | None) -> dict[str, Any]:
+    def report(self, planner: L3Planner | None) -> dict[str, Any]:
         return {
             "nodes_total": len(self._nodes), "nodes_left": len(self._nodes) - self._next,
             "pages_queued": self.queued_pages,

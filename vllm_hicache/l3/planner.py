@@ -35,19 +35,17 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from vllm_hicache.common.daemon_pool import DaemonPool
+from vllm_hicache.common.events import MEDIUM_L2, MEDIUM_L3, EventLog
+from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.common.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
-from vllm_hicache.connector.kv_events import MEDIUM_L2, MEDIUM_L3, KVEventLog
-from vllm_hicache.connector.metadata import (
-    BackupJob,
-    HiCacheWorkerMetadata,
-    PrefetchJob,
-    PrefetchProgress,
-)
+from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.policy.offload import BackupBacklog, backup_inflight_cap
@@ -61,6 +59,35 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_LOOKUPS = 256
 # Blocks a probe (a prefetch nobody waits for, to measure L3) reads, at most.
 PROBE_BLOCKS = 64
+
+
+class LoadGateLike(Protocol):
+    """What the planner asks the scheduler half's LoadGate (scheduler/load_gate.py)."""
+
+    def prefetch_l3(self, start: int, num_tokens: int, num_pages: int) -> bool: ...
+
+    def wants_l3_sample(self) -> bool: ...
+
+    def record(self, tier: str, loaded: bool, num_tokens: int) -> None: ...
+
+
+# Allocates ``num`` L2 pages for blocks [matched, matched + num) of a chain,
+# never evicting a pinned page; None when every page is pinned.
+Alloc = Callable[[Sequence[bytes], int, int], "list[int] | None"]
+
+
+@dataclass
+class PlannerContext:
+    """The scheduler half's state the L3 planner acts on: its L2 index and
+    page operations, its page allocator, its load gate and its event log.
+    Handed over once, at construction; ``events`` follows the scheduler's
+    (``HiCacheScheduler.events``)."""
+
+    tree: HiRadixTree
+    ops: PageOps
+    alloc: Alloc | None = None
+    gate: LoadGateLike | None = None
+    events: EventLog | None = None
 
 
 @dataclass(slots=True)
@@ -85,12 +112,14 @@ class _Lookup:
     nowait: bool = False       # hicache_load_decision declined to wait for it
 
 
-class StoragePlanner:
+class L3Planner:
     def __init__(self, cfg: StorageConfig, backend: StorageBackend, namespaces: list[KeyNamespace],
                  block_size: int, world_size: int, max_inflight_pages: int,
-                 max_backup_pages: int | None = None,
+                 ctx: PlannerContext | None = None, max_backup_pages: int | None = None,
                  page_states: PageStates | None = None) -> None:
         self.cfg = cfg
+        # The scheduler half's state this planner acts on, handed over once.
+        self.ctx = ctx if ctx is not None else PlannerContext(None, None)
         # The scheduler half's page flags (models with a state group): read
         # for backups, set as prefetched pages are indexed.
         self.page_states = page_states
@@ -140,8 +169,7 @@ class StoragePlanner:
 
     # --- lookups -----------------------------------------------------------
 
-    def start_lookup(self, req_id: str, chain: tuple[bytes, ...], start: int,
-                     gate=None) -> None:
+    def start_lookup(self, req_id: str, chain: tuple[bytes, ...], start: int) -> None:
         """Look up blocks [start, len(chain)) of a new request in L3. With a
         ``gate`` (LoadGate), under a waiting policy, the request waits only
         if a hit as long as the chain is expected to arrive sooner than
@@ -156,6 +184,7 @@ class StoragePlanner:
             return
         wait_s = self.prefetch_policy.wait_budget_s((len(chain) - start) * self.block_size)
         lookup = _Lookup(chain, start, time.monotonic() + wait_s)
+        gate = self.ctx.gate
         if gate is not None and self.prefetch_policy.ever_waits:
             num = len(chain) - start
             lookup.nowait = not gate.prefetch_l3(start * self.block_size,
@@ -215,10 +244,11 @@ class StoragePlanner:
 
     # --- per step ------------------------------------------------------------
 
-    def plan_prefetches(self, tree: HiRadixTree, alloc, gate=None) -> list[PrefetchJob]:
+    def plan_prefetches(self) -> list[PrefetchJob]:
         """Prefetch ops for the lookups that finished since the last step
-        (each is considered once, as it finishes); ``gate`` (LoadGate)
-        decides whether their requests wait for them."""
+        (each is considered once, as it finishes); the context's ``gate``
+        (LoadGate) decides whether their requests wait for them."""
+        tree, alloc, gate = self.ctx.tree, self.ctx.alloc, self.ctx.gate
         jobs = []
         while self._finished_lookups:
             req_id, lookup = self._finished_lookups.popleft()
@@ -289,12 +319,12 @@ class StoragePlanner:
         if num_blocks >= self.threshold_blocks:
             gate.record("L3", False, num_blocks * self.block_size)
 
-    def plan_backup(self, ops: PageOps, stored: list[PinnedRange], step: int) -> list[BackupJob]:
+    def plan_backup(self, stored: list[PinnedRange], step: int) -> list[BackupJob]:
         """One backup op for this step's stored pages (their STORE ops pin
         them now; the BACKUP op keeps them pinned until every rank acked)."""
         if not stored:
             return []
-        op = ops.open(OpKind.BACKUP, step, stored)
+        op = self.ctx.ops.open(OpKind.BACKUP, step, stored)
         hashes = tuple(r.chain[i] for r in stored for i in r.blocks)
         pages = tuple(p for r in stored for p in r.pages)
         states = (tuple(map(self.page_states.valid, pages)) if self.page_states is not None
@@ -303,8 +333,7 @@ class StoragePlanner:
         self.backed_up_blocks += len(pages)
         return [BackupJob(op.op_id, hashes, pages, states)]
 
-    def plan_backups(self, ops: PageOps, tree: HiRadixTree, stored: list[PinnedRange],
-                     step: int) -> list[BackupJob]:
+    def plan_backups(self, stored: list[PinnedRange], step: int) -> list[BackupJob]:
         """This step's stored pages go out while fewer than
         ``max_backup_pages`` are in flight (so the bound is overshot by one
         step's stores at most, and a step's stores are never split); else
@@ -319,8 +348,8 @@ class StoragePlanner:
                 self.backup_deferred += len(rng.blocks)
                 self.backup_dropped += self.backlog.defer(rng.chain, rng.blocks)
         if room > 0 and len(self.backlog):
-            now += self._flush(tree, room)
-        jobs = self.plan_backup(ops, now, step)
+            now += self._flush(self.ctx.tree, room)
+        jobs = self.plan_backup(now, step)
         for job in jobs:  # the bound counts these; an attach's backfill has its own
             self._bounded[job.op_id] = len(job.pages)
             self._backup_pages += len(job.pages)
@@ -342,9 +371,6 @@ class StoragePlanner:
     def note_use(self, hashes) -> None:
         """A request used these blocks (its hit): deferred backups of them gain value."""
         self.backlog.record_use(hashes)
-
-    def has_open_prefetches(self) -> bool:
-        return bool(self._ops)
 
     # --- admin (runtime attach, admin/storage_control.py) --------------------------------
 
@@ -377,8 +403,8 @@ class StoragePlanner:
 
     # --- completions -------------------------------------------------------
 
-    def on_worker_meta(self, meta: HiCacheWorkerMetadata, tree: HiRadixTree,
-                       ops: PageOps, events: KVEventLog | None = None) -> None:
+    def on_worker_meta(self, meta: HiCacheWorkerMetadata) -> None:
+        tree, ops, events = self.ctx.tree, self.ctx.ops, self.ctx.events
         for op_id, by_rank in meta.prefetch.items():
             op = self._ops.get(op_id)
             if op is not None:
@@ -395,7 +421,7 @@ class StoragePlanner:
         for op_id, ranks in meta.backups.items():
             self._ack_backup(op_id, ranks, ops, events)
 
-    def _advance(self, op: _Op, tree: HiRadixTree, events: KVEventLog | None = None) -> None:
+    def _advance(self, op: _Op, tree: HiRadixTree, events: EventLog | None = None) -> None:
         if len(op.progress) < self.world_size:
             return
         done = min(p.done for p in op.progress.values())
@@ -432,7 +458,7 @@ class StoragePlanner:
                     lookup.done = True
 
     def _ack_backup(self, op_id: int, ranks: set[int], ops: PageOps,
-                    events: KVEventLog | None = None) -> None:
+                    events: EventLog | None = None) -> None:
         if op_id not in self._backups:
             return  # a duplicate or late ack of a finished backup
         acked = self._backup_acks.setdefault(op_id, set())

@@ -11,8 +11,8 @@ fills and reads the same pages; each stage stores its own layers under its
 PP rank. The scheduler derives stage p's page format from stage p's layer
 count (geometry.pp_stage_num_layers), not from the first stage's geometry
 it holds. Worker reports (prefetch progress, backup and attach acks) carry
-``worker_rank`` (unique over PP x TP), and the scheduler waits for all
-``num_worker_ranks`` of them.
+``worker_id`` (unique over PP x TP; not the TP rank), and the scheduler
+waits for all ``num_workers`` of them.
 Each worker keys its objects by the page format it actually has and, where
 that differs from what the scheduler derives, keeps L3 off with an error:
 its objects would sit under keys the scheduler never looks up. With a storage
@@ -36,8 +36,9 @@ from vllm_hicache.l3.identity import (
     pool_page_format,
     weights_identity,
 )
-from vllm_hicache.l3.planner import StoragePlanner
+from vllm_hicache.l3.planner import L3Planner, PlannerContext
 from vllm_hicache.l3.worker_io import StorageIO
+from vllm_hicache.policy.prefetch import prefetch_inflight_cap
 from vllm_hicache.storage import StorageContext, create_backend
 from vllm_hicache.storage.format import HEADER_BYTES
 from vllm_hicache.storage.pages import PageStore
@@ -64,7 +65,7 @@ def check_shareable_hashes(vllm_config) -> None:
 # --- ranks -------------------------------------------------------------------
 
 
-def num_worker_ranks(vllm_config) -> int:
+def num_workers(vllm_config) -> int:
     """Workers that report to the scheduler: every (PP, TP) rank."""
     parallel = vllm_config.parallel_config
     return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
@@ -85,8 +86,9 @@ def worker_ranks(vllm_config) -> tuple[int, int]:
     return tp_rank, pp_rank
 
 
-def worker_rank(vllm_config) -> int:
-    """This worker's id in its reports, in [0, num_worker_ranks)."""
+def worker_id(vllm_config) -> int:
+    """This worker's id in its reports, in [0, num_workers): PP x TP, unlike
+    the TP rank that keys its objects."""
     tp_rank, pp_rank = worker_ranks(vllm_config)
     return pp_rank * vllm_config.parallel_config.tensor_parallel_size + tp_rank
 
@@ -139,16 +141,20 @@ def namespace(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, tp_rank: int,
 
 
 def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, num_pages: int,
-                  page_states: PageStates | None = None) -> StoragePlanner:
+                  page_states: PageStates | None = None,
+                  ctx: PlannerContext | None = None) -> L3Planner:
+    """The scheduler half's L3 planner; ``ctx``: the scheduler state it acts
+    on (``HiCacheScheduler.l3_context``; None builds one that only names
+    keys and queries the store, for tools and tests)."""
     storage = cfg.storage
     parallel = vllm_config.parallel_config
     tp_size = parallel.tensor_parallel_size
     tp_ranks = [0] if geom.is_mla else list(range(tp_size))
     # Logs what identifies the weights; refuses an unusable tp_lcm_size.
     per_page = len(namespace(cfg, geom, vllm_config, 0, log=True).page_namespaces())
-    ctx = StorageContext("scheduler", 0, tp_size,
-                         HEADER_BYTES + geom.bytes_per_block // per_page)
-    backend = create_backend(storage.backend, storage.backend_options, ctx)
+    store_ctx = StorageContext("scheduler", 0, tp_size,
+                               HEADER_BYTES + geom.bytes_per_block // per_page)
+    backend = create_backend(storage.backend, storage.backend_options, store_ctx)
     # Each stage's page format has that stage's layers.
     namespaces = [
         ns
@@ -156,11 +162,10 @@ def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, num_pages: 
         for t in tp_ranks
         for ns in namespace(cfg, geom, vllm_config, t, p).page_namespaces()
     ]
-    # SGLang's cap: 80% of what L2 holds beyond L1.
-    cap = max(1, int(0.8 * (num_pages - geom.num_l1_blocks)))
-    return StoragePlanner(
+    cap = prefetch_inflight_cap(num_pages, geom.num_l1_blocks)
+    return L3Planner(
         storage, backend, namespaces, geom.block_size,
-        world_size=num_worker_ranks(vllm_config), max_inflight_pages=cap,
+        world_size=num_workers(vllm_config), max_inflight_pages=cap, ctx=ctx,
         page_states=page_states,
     )
 
@@ -171,18 +176,18 @@ def build_storage_io(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, pool,
     use (an attach at run time); None at start (l3_canary)."""
     storage = cfg.storage
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    rank, pp_rank = worker_ranks(vllm_config)
-    expected = namespace(cfg, geom, vllm_config, rank, pp_rank)
+    tp_rank, pp_rank = worker_ranks(vllm_config)
+    expected = namespace(cfg, geom, vllm_config, tp_rank, pp_rank)
     slicing = head_slicing(cfg, geom, vllm_config)
     actual = pool_page_format(pool, slicing.heads_per_slice if slicing else None)
     per_page = len(expected.page_namespaces())
-    ctx = StorageContext("worker", rank, tp_size, HEADER_BYTES + pool.bytes_per_page // per_page)
+    ctx = StorageContext("worker", tp_rank, tp_size, HEADER_BYTES + pool.bytes_per_page // per_page)
     backend = create_backend(storage.backend, storage.backend_options, ctx)
     codec = make_codec(storage.secret, storage.encrypt)
-    pages = PageStore(backend, pool, namespace(cfg, geom, vllm_config, rank, pp_rank,
+    pages = PageStore(backend, pool, namespace(cfg, geom, vllm_config, tp_rank, pp_rank,
                                                page_format=actual), codec,
                       page_states=bool(geom.mamba_groups))
-    if rank == 0 and pp_rank == 0:
+    if tp_rank == 0 and pp_rank == 0:
         logger.info("HiCache L3: objects sealed with %s%s", codec.name,
                     "" if storage.secret is not None else
                     " only (no storage_secret: anyone who can write the store can forge objects)")
@@ -193,7 +198,7 @@ def build_storage_io(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, pool,
                         slicing.num_slices, slicing.slices_per_rank, tp_size,
                         slicing.num_slices)
     return StorageIO(checked_page_store(pages, expected.page_format, canary_pages),
-                     worker_rank(vllm_config), writes=not geom.is_mla or rank == 0)
+                     worker_id(vllm_config), writes=not geom.is_mla or tp_rank == 0)
 
 
 def checked_page_store(pages: PageStore, expected_format: str,

@@ -23,8 +23,8 @@ import time
 from concurrent.futures import Future, wait
 
 from vllm_hicache.common.daemon_pool import DaemonPool
+from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.common.stats import WorkerCounters, key
-from vllm_hicache.connector.metadata import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.storage.pages import PageStore
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ SHUTDOWN_DRAIN_S = 10.0
 
 class StorageIO:
     def __init__(
-        self, pages: PageStore, rank: int, writes: bool, num_threads: int = 2,
+        self, pages: PageStore, worker_id: int, writes: bool, num_threads: int = 2,
         drain_timeout_s: float = SHUTDOWN_DRAIN_S, counters: WorkerCounters | None = None,
     ) -> None:
         self.pages = pages
@@ -47,9 +47,9 @@ class StorageIO:
         self._page_bytes = pages.pool.bytes_per_page
         self._invalid_seen = 0
         # This worker's id in its reports to the scheduler, unique over
-        # PP x TP ranks (l3_setup.worker_rank).
-        self.rank = rank
-        # MLA keeps one copy: only rank 0 writes, every rank still acks.
+        # PP x TP ranks (l3/setup.worker_id; not the TP rank).
+        self.worker_id = worker_id
+        # MLA keeps one copy: only TP rank 0 writes, every rank still acks.
         self._writes = writes
         self._drain_timeout_s = drain_timeout_s
         # Daemon threads: a store that never answers must not keep the

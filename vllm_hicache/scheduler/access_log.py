@@ -164,7 +164,7 @@ class AccessLogWriter(NullAccessLog):
               step: int = 0) -> None:
         """A request got its blocks in scheduler step ``step``: ``l1_tokens``
         from vLLM's cache, then ``hit_tokens`` from HiCache; ``l3`` (the
-        StoragePlanner) says which of those its own prefetch brought in."""
+        L3Planner) says which of those its own prefetch brought in."""
         req_id = request.request_id
         hashes = request.block_hashes
         seq = self._seq_of(request)

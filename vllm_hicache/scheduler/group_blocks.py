@@ -21,8 +21,8 @@ and a hit must end at a page whose state is valid (``PageStates.usable``).
 
 from __future__ import annotations
 
+from vllm_hicache.common.jobs import BlockCopy, BlockPage, merge_copies
 from vllm_hicache.connector.geometry import KVGeometry
-from vllm_hicache.connector.metadata import BlockCopy, BlockPage, merge_copies
 from vllm_hicache.connector.vllm_compat import l1_block_holds, null_block_id
 from vllm_hicache.scheduler.request_state import ReqState
 

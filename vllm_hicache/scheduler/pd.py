@@ -21,7 +21,7 @@ entry next to it, and ``config.check_kv_role`` refuses contradictions:
 
 Invariants that keep the hand-off untouched:
 
-- A decode-offload instance reports no hit (``loads`` is False: no L2
+- A decode-offload instance reports no hit (``loads_hits`` is False: no L2
   lookup, no L3 lookup or prefetch), so MultiConnector always picks
   NixlConnector to load there, whatever the order of the entries, and decode
   computes from exactly what prefill sent.
@@ -49,11 +49,6 @@ class PDRole(enum.Enum):
     SINGLE = "single"
     PREFILL = "prefill"
     DECODE_OFFLOAD = "decode offload"
-
-    @property
-    def loads(self) -> bool:
-        """Does HiCache look up and load hits in this role?"""
-        return self is not PDRole.DECODE_OFFLOAD
 
 
 def pd_role(cfg: HiCacheConfig, kv_role: str | None) -> PDRole:

@@ -24,32 +24,33 @@ what hangs below it) out of the index, so it is never a hit again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from vllm_hicache.admin.storage_control import StorageControl
+from vllm_hicache.common.events import MEDIUM_L2, EventLog
+from vllm_hicache.common.jobs import (
+    BackupJob,
+    BlockPage,
+    LoadJob,
+    StorageCommand,
+    merge_copies,
+)
 from vllm_hicache.common.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
 from vllm_hicache.common.stats import HiCacheStats, SchedulerReport, key
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
-from vllm_hicache.connector.kv_events import MEDIUM_L2, KVEventLog
-from vllm_hicache.connector.metadata import (
-    BlockPage,
-    HiCacheMetadata,
-    LoadJob,
-    merge_copies,
-)
+from vllm_hicache.connector.metadata import HiCacheMetadata
 from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_has_block
 from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import loadable_block_limit
-from vllm_hicache.l3.planner import StoragePlanner
+from vllm_hicache.l3.planner import L3Planner, PlannerContext
 from vllm_hicache.policy import make_eviction_policy
-from vllm_hicache.policy.write import WritePolicy
+from vllm_hicache.policy.write import WritePolicy, hit_counter_slots
 from vllm_hicache.scheduler.access_log import open_access_log
 from vllm_hicache.scheduler.group_blocks import GroupBlocks
 from vllm_hicache.scheduler.inflight import InflightLoads
@@ -62,7 +63,7 @@ from vllm_hicache.scheduler.request_params import (
     parse_request_params,
 )
 from vllm_hicache.scheduler.request_state import ReqState, track_scheduled
-from vllm_hicache.scheduler.store_planner import StorePlanner
+from vllm_hicache.scheduler.store_planner import L2StorePlanner
 from vllm_hicache.scheduler.write_back import WriteBackCopy, WriteBackWatcher
 
 if TYPE_CHECKING:
@@ -72,9 +73,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-_RECENT_HITS = 4096
-
 
 class _LookedUp(NamedTuple):
     """A request's last lookup: vLLM's own hit, and the L2 pages after it."""
@@ -93,15 +91,35 @@ STALLED_WORK_S = 30.0
 EMPTY_STEP_PAUSE_S = 0.001
 
 
+class StepCommands(Protocol):
+    """Work the admin side runs on the engine loop, between steps
+    (admin/storage_control.py): the scheduler half calls it, never the
+    other way round."""
+
+    def on_step(self, num_running: int) -> StorageCommand | None: ...
+
+    def plan_backfill(self, step: int) -> list[BackupJob]: ...
+
+    def on_acks(self, acks: Mapping[int, Mapping[int, str]]) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def scratch_pages(self) -> set[int]: ...
+
+
+# Builds the L3 planner: (num_pages, page_states, the scheduler's context).
+L3Factory = Callable[[int, "PageStates | None", PlannerContext], L3Planner]
+
+
 class HiCacheScheduler:
     def __init__(
         self,
         cfg: HiCacheConfig,
         geom: KVGeometry,
         local_ranks: int = 1,
-        l3_factory: Callable[[int, PageStates | None], StoragePlanner] | None = None,
+        l3_factory: L3Factory | None = None,
     ) -> None:
-        """``l3_factory(num_pages, page_states)`` builds the L3 planner,
+        """``l3_factory(num_pages, page_states, ctx)`` builds the L3 planner,
         when a storage backend is configured, once L2 is known to fit."""
         self.cfg = cfg
         self.block_size = geom.block_size
@@ -119,10 +137,8 @@ class HiCacheScheduler:
         )
         self.load_async = cfg.hicache_load_mode == "async"
         # False on a PD decode-offload instance (pd.py): NixlConnector alone loads.
-        self.loads = loads_hits(cfg)
+        self.serves_hits = loads_hits(cfg)
         self.stats = HiCacheStats()
-        # Tokens loaded from L2 for recent requests (bounded), for reports.
-        self.recent_hit_tokens: OrderedDict[str, int] = OrderedDict()
         self._reqs: dict[str, ReqState] = {}
         # What get_num_new_matched_tokens found, for update_state_after_alloc.
         self._looked_up: dict[str, _LookedUp] = {}
@@ -142,17 +158,24 @@ class HiCacheScheduler:
         # The engine's start line (connector.start_line) reports the sizes.
         # Models with a state group: which pages hold a usable state.
         self.page_states = PageStates(self.num_pages) if geom.mamba_groups else None
-        self.l3: StoragePlanner | None = (l3_factory(self.num_pages, self.page_states)
-                                          if l3_factory else None)
         # Per request: controls other than the defaults (request_params.py).
         self._controls: dict[str, RequestControls] = {}
-        self.stores = StorePlanner(
+        self.stores = L2StorePlanner(
             self.tree, self.ops, self._groups,
-            WritePolicy(cfg.hicache_write_policy, 4 * self.num_pages), self.stats,
+            WritePolicy(cfg.hicache_write_policy, hit_counter_slots(self.num_pages)), self.stats,
             self.page_states, self._controls, self.block_size,
-            KVEventLog(False, self.block_size))
-        # Runtime attach/detach of L3 (admin API); set by the connector.
-        self.storage_control: StorageControl | None = None
+            EventLog(False, self.block_size))
+        # hicache_load_decision (load_gate.py): its estimators, and the L2
+        # hits declined per request (blocks) until the request is admitted.
+        self.load_gate = LoadGate(cfg.hicache_load_decision, geom.bytes_per_block)
+        self._declined: dict[str, int] = {}
+        # What the L3 planner acts on (its own and a runtime attach's).
+        self._l3_ctx = PlannerContext(self.tree, self.ops, self.stores.alloc_protecting,
+                                      self.load_gate, self.stores.events)
+        self._l3: L3Planner | None = (l3_factory(self.num_pages, self.page_states, self._l3_ctx)
+                                      if l3_factory else None)
+        # Runtime attach/detach of L3 (admin API): install_commands.
+        self.storage_control: StepCommands | None = None
         self._report = SchedulerReport()
         # Per request: why its kv_transfer_params were rejected, (L2, L3)
         # tokens of its hit.
@@ -161,26 +184,80 @@ class HiCacheScheduler:
         self._param_warned_at = -_PARAM_WARN_INTERVAL_S
         # hicache_access_log, for the capacity planner (a no-op when off).
         self.access_log = open_access_log(cfg, geom, self.num_pages, local_ranks)
-        # hicache_load_decision (load_gate.py): its estimators, and the L2
-        # hits declined per request (blocks) until the request is admitted.
-        self.load_gate = LoadGate(cfg.hicache_load_decision, geom.bytes_per_block)
-        self._declined: dict[str, int] = {}
 
     @property
-    def events(self) -> KVEventLog:
+    def events(self) -> EventLog:
         """KV cache events (kv_events.py); the connector turns them on."""
         return self.stores.events
 
     @events.setter
-    def events(self, log: KVEventLog) -> None:
+    def events(self, log: EventLog) -> None:
         self.stores.events = log
+        self._l3_ctx.events = log
+
+    # --- the admin side's view (admin/storage_control.py) ----------------
+
+    @property
+    def l3(self) -> L3Planner | None:
+        """The L3 planner, None while no backend is attached."""
+        return self._l3
+
+    def l3_context(self) -> PlannerContext:
+        """What an L3 planner built for this scheduler half acts on."""
+        return self._l3_ctx
+
+    def attach_l3(self, planner: L3Planner) -> None:
+        """Plan L3 lookups, prefetches and backups with ``planner`` from now on."""
+        assert self._l3 is None, "an L3 planner is attached already"
+        self._l3 = planner
+
+    def detach_l3(self) -> L3Planner | None:
+        """Plan nothing more for L3; the planner that was attached (its
+        owner closes it once every rank has dropped its client)."""
+        planner, self._l3 = self._l3, None
+        return planner
+
+    def install_commands(self, commands: StepCommands) -> None:
+        """Run ``commands`` between steps (the admin side's attach/detach)."""
+        self.storage_control = commands
+
+    def num_requests(self) -> int:
+        """Requests vLLM has not finished: running, waiting or preempted."""
+        return len(self._reqs)
+
+    @property
+    def write_policy(self) -> str:
+        """The hicache_write_policy in force."""
+        return self.stores.write_policy.name
+
+    def set_write_policy(self, name: str) -> None:
+        """Switch the write policy (its hit counts start afresh)."""
+        if name == self.stores.write_policy.name:
+            return
+        self.stores.write_policy = WritePolicy(name, hit_counter_slots(self.num_pages))
+        self.cfg = dataclasses.replace(self.cfg, hicache_write_policy=name)
+
+    def occupancy(self) -> dict[str, int]:
+        """L2 pages by state, for the admin API."""
+        tree = self.tree
+        return {"pages_total": tree.num_pages, "pages_used": tree.num_cached_pages,
+                "pages_pinned": tree.num_locked_pages, "pages_free": tree.num_free_pages}
+
+    def live_transfers(self) -> dict[str, int]:
+        """Copies the workers have not acknowledged: L3 backups, async loads."""
+        return {"backups": self.ops.num_live(OpKind.BACKUP),
+                "async_loads": self.ops.num_live(OpKind.ASYNC_LOAD)}
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The counters since start, by name."""
+        return dataclasses.asdict(self.stats)
 
     # --- lookup and load -------------------------------------------------
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if not self.loads:
+        if not self.serves_hits:
             return 0, False
         if self.l3 is not None and self.l3.must_wait(request.request_id):
             return None, False  # per the prefetch policy: ask again later
@@ -252,9 +329,6 @@ class HiCacheScheduler:
             self._step_loads.append(job)
         self.stats.record_load(num_blocks)
         self._record_hit_tiers(req_id, start, end)
-        self.recent_hit_tokens[req_id] = num_external_tokens
-        if len(self.recent_hit_tokens) > _RECENT_HITS:
-            self.recent_hit_tokens.popitem(last=False)
 
     def _record_hit_tiers(self, req_id: str, start: int, end: int) -> None:
         """Split the hit [start, end) into what was in L2 and what this
@@ -299,12 +373,10 @@ class HiCacheScheduler:
             meta.storage_command = self.storage_control.on_step(
                 len(scheduler_output.num_scheduled_tokens))
         if self.l3 is not None:
-            meta.backups = self.l3.plan_backups(self.ops, self.tree,
-                                                stored if backs_up else [], self._step)
+            meta.backups = self.l3.plan_backups(stored if backs_up else [], self._step)
             if self.storage_control is not None:
-                meta.backups += self.storage_control.plan_backfill(self.ops, self._step)
-            meta.prefetches = self.l3.plan_prefetches(self.tree, self.stores.alloc_protecting,
-                                                      self.load_gate)
+                meta.backups += self.storage_control.plan_backfill(self._step)
+            meta.prefetches = self.l3.plan_prefetches()
         self._step += 1
         self.load_gate.step_planned(scheduler_output, bool(meta.loads or meta.evict_stores))
         return meta
@@ -322,7 +394,7 @@ class HiCacheScheduler:
                 self.ops.close(op)
         meta = output.kv_connector_worker_meta
         if self.l3 is not None and meta is not None:
-            self.l3.on_worker_meta(meta, self.tree, self.ops, self.events)
+            self.l3.on_worker_meta(meta)
         if self.storage_control is not None and meta is not None and meta.storage_acks:
             self.storage_control.on_acks(meta.storage_acks)
         failed_pages = meta.failed_store_pages if meta is not None else set()
@@ -368,14 +440,14 @@ class HiCacheScheduler:
         self._reqs[request.request_id] = ReqState(request)
         self.access_log.arrive(request, self._step)
         controls = self._read_controls(request)
-        if self.l3 is not None and controls.looks_up_l3 and self.loads:
+        if self.l3 is not None and controls.looks_up_l3 and self.serves_hits:
             limit = loadable_block_limit(request.num_tokens, self.block_size)
             chain = tuple(request.block_hashes[:limit])
             resident = self._resident_blocks(chain)
             cap = controls.load_block_cap(self.block_size)
             if cap is not None:
                 chain = chain[: resident + cap]
-            self.l3.start_lookup(request.request_id, chain, resident, self.load_gate)
+            self.l3.start_lookup(request.request_id, chain, resident)
 
     def _read_controls(self, request: Request) -> RequestControls:
         """The request's kv_transfer_params controls. Bad ones never fail

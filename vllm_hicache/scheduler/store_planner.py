@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllm_hicache.common.events import MEDIUM_L2, EventLog
+from vllm_hicache.common.jobs import BlockPage
 from vllm_hicache.common.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
 from vllm_hicache.common.stats import HiCacheStats
-from vllm_hicache.connector.kv_events import MEDIUM_L2, KVEventLog
-from vllm_hicache.connector.metadata import BlockPage
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.policy.write import WritePolicy
 from vllm_hicache.scheduler.group_blocks import GroupBlocks
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class StorePlanner:
+class L2StorePlanner:
     """Owned by HiCacheScheduler, which calls ``advance`` once per step from
     ``build_connector_meta`` and the other methods from the same thread. It
     mutates the tree (alloc, insert), the page ops (STORE and WRITE_BACK
@@ -52,7 +52,7 @@ class StorePlanner:
     def __init__(self, tree: HiRadixTree, ops: PageOps, groups: GroupBlocks,
                  write_policy: WritePolicy, stats: HiCacheStats,
                  page_states: PageStates | None, controls: dict[str, RequestControls],
-                 block_size: int, events: KVEventLog) -> None:
+                 block_size: int, events: EventLog) -> None:
         self.tree = tree
         self.ops = ops
         self.groups = groups
