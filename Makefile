@@ -64,10 +64,12 @@ demo: $(STAMP) $(DEMO_MODEL)/.complete
 serve: $(STAMP) $(MODEL)/.complete
 	@$(PY) examples/serve.py --model $(MODEL) --port $(SERVE_PORT) --admin-port $(SERVE_ADMIN_PORT)
 
-# ruff and mypy (configured in pyproject.toml); part of `make test`, so CI runs it.
+# ruff, mypy, then the import floors (import-linter); all three configured in
+# pyproject.toml; part of `make test`, so CI runs them.
 lint: $(STAMP)
 	$(PY) -m ruff check vllm_hicache tests benchmarks examples scripts
 	$(PY) -m mypy
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 
 # pytest exit 5 (nothing collected) is a failure, like any other non-zero.
 test: $(STAMP) $(MODEL)/.complete lint

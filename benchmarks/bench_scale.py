@@ -61,7 +61,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-import vllm_hicache.connector.scheduler as scheduler_half  # noqa: E402
+import vllm_hicache.scheduler.scheduler as scheduler_half  # noqa: E402
 from vllm_hicache.config import _GB  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

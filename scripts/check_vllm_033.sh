@@ -14,5 +14,5 @@ fi
 VLLM_TARGET_DEVICE=cpu PYTHONPATH="$dir/site" .venv/bin/python -c \
   'import vllm; assert vllm.__version__.startswith("0.33"), vllm.__version__; print("vllm", vllm.__version__)'
 VLLM_TARGET_DEVICE=cpu PYTHONPATH="$dir/site" .venv/bin/python -m pytest -q -p no:warnings \
-  tests/connector/test_scheduler.py tests/connector/test_l3_scheduler.py \
-  tests/connector/test_write_back.py tests/connector/test_scheduler_hardening.py
+  tests/scheduler/test_scheduler.py tests/l3/test_planner.py \
+  tests/scheduler/test_write_back.py tests/scheduler/test_scheduler_hardening.py

@@ -5,6 +5,7 @@ import pytest
 
 from tests.conftest import make_config
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
+from vllm_hicache.policy.write import WritePolicy
 
 
 def test_defaults_mirror_sglang():
@@ -68,8 +69,12 @@ def test_numbers_accept_strings_and_ints():
 
 
 def test_write_threshold():
-    assert make_config().write_threshold == 1
-    assert make_config(hicache_write_policy="write_through_selective").write_threshold == 2
+    # The policy a config names is the threshold's one home (policy/write.py).
+    def threshold(cfg):
+        return WritePolicy(cfg.hicache_write_policy, 8).threshold
+
+    assert threshold(make_config()) == 1
+    assert threshold(make_config(hicache_write_policy="write_through_selective")) == 2
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,7 @@ def test_blocker_actually_blocks():
                 return None
 
         sys.meta_path.insert(0, Block())
-        importlib.import_module("vllm_hicache.connector")
+        importlib.import_module("vllm_hicache.connector.connector")
         """
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)

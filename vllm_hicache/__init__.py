@@ -11,6 +11,8 @@ imports without torch or vllm.
 
 import logging
 
+from vllm_hicache.logs import log_through_vllm
+
 __all__ = ["CONNECTOR_NAME", "HiCacheConnector", "register"]
 __version__ = "0.1.0"
 
@@ -38,25 +40,6 @@ def register() -> None:
     except ValueError:
         # vLLM's factory refuses a second registration of a name.
         logger.debug("%s is already registered with vLLM's connector factory", CONNECTOR_NAME)
-
-
-def log_through_vllm() -> None:
-    """Print this package's log records with vLLM's handler (its format and level).
-
-    vLLM configures only its own ``vllm`` logger (which does not propagate).
-    Under ``vllm serve`` the root logger has no handler, so records of other
-    packages fall through to Python's last resort: warnings printed bare,
-    INFO (the connector's start line) dropped. Done only while the root
-    logger has no handler, so an application or test that set up logging
-    keeps receiving our records there, once. Idempotent.
-    """
-    ours = logging.getLogger(__name__)
-    theirs = logging.getLogger("vllm")
-    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level)
 
 
 def __getattr__(name: str):

@@ -105,11 +105,6 @@ class HiCacheConfig:
         """L2 bytes per rank requested by hicache_size, or 0 when unset."""
         return int(self.hicache_size * _GB)
 
-    @property
-    def write_threshold(self) -> int:
-        """Hits a block needs before it is written through to L2."""
-        return 2 if self.hicache_write_policy == "write_through_selective" else 1
-
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> HiCacheConfig:
         """Parse and validate ``kv_connector_extra_config``; the only entry point."""

@@ -71,11 +71,6 @@ def block_hash_of_group_key(key: bytes) -> BlockHash:
     return BlockHash(bytes(key[:-_GROUP_ID_BYTES]))
 
 
-def full_block_count(num_tokens: int, block_size: int) -> int:
-    """Number of complete blocks in ``num_tokens`` tokens."""
-    return num_tokens // block_size
-
-
 def loadable_block_limit(num_tokens: int, block_size: int) -> int:
     """Most blocks a hit may cover: vLLM must still compute >= 1 token."""
     return max(0, (num_tokens - 1) // block_size)

@@ -24,8 +24,8 @@ from typing import Any
 from vllm_hicache.policy.prefetch import PREFETCH_POLICIES
 from vllm_hicache.storage.factory import backend_names
 from vllm_hicache.storage.options import integer, number, option, parse_value
+from vllm_hicache.storage_secret import LABEL_OBJECT_NAMES, StorageSecret
 from vllm_hicache.storage_secret import OPTION as SECRET_OPTION
-from vllm_hicache.storage_secret import StorageSecret
 
 # The backends registered at import (the registry's names, for the admin API);
 # parse_storage asks the registry itself.
@@ -78,7 +78,7 @@ class StorageConfig:
     def object_name_key(self) -> bytes:
         """The key object names are hashed with (keys.KeyNamespace.name_key):
         b"" without a secret. Derived from the secret, never the secret."""
-        return b"" if self.secret is None else self.secret.derive("object names")
+        return b"" if self.secret is None else self.secret.derive(LABEL_OBJECT_NAMES)
 
     @property
     def key_protection(self) -> str:

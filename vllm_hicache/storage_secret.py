@@ -12,10 +12,14 @@ secret.
 Nothing uses the secret directly. HKDF-SHA256 (RFC 5869) derives one
 independent value per label, so none reveals the secret or another:
 
-    mac        32-byte key of the keyed BLAKE3 object MAC (storage/sealing.py)
-    aead       32-byte AES-256-GCM key (storage_encrypt)
-    namespace  8 bytes, as hex, in every object key (keys.py): instances with
-               different secrets never even look at each other's objects
+    gmac          32-byte AES-256-GMAC key: the object MAC (storage/sealing.py)
+    aead          32-byte AES-256-GCM key (storage_encrypt)
+    namespace     8 bytes, as hex, in every object key (keys.py): instances
+                  with different secrets never even look at each other's objects
+    object names  the key that hides block hashes in object names
+                  (storage_config.object_name_key)
+
+The labels are the ``LABEL_*`` constants below, their one home.
 
 A ``StorageSecret`` shows as ``<redacted>`` in ``repr``/``str``; errors name
 the option (and the file), never the value. Pure module: no torch, no vllm.
@@ -29,6 +33,11 @@ from typing import Any
 
 OPTION = "storage_secret"
 MIN_SECRET_BYTES = 16
+# HKDF labels (module doc): changing one changes every derived key.
+LABEL_GMAC = "gmac"
+LABEL_AEAD = "aead"
+LABEL_NAMESPACE = "namespace"
+LABEL_OBJECT_NAMES = "object names"
 # Longer is pointless (HKDF hashes it) and a sign the wrong file was named.
 MAX_SECRET_BYTES = 4096
 _LABEL_PREFIX = b"vllm_hicache/l3/v1/"
@@ -86,7 +95,7 @@ class StorageSecret:
     @property
     def namespace_tag(self) -> str:
         """16 hex digits naming this secret in object keys (one-way)."""
-        return self.derive("namespace", 8).hex()
+        return self.derive(LABEL_NAMESPACE, 8).hex()
 
     def __repr__(self) -> str:
         return "StorageSecret(<redacted>)"

@@ -10,8 +10,8 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from tests.connector.harness import BLOCK, make_harness
-from tests.connector.test_l3_scheduler import forget_l1_and_l2, l3_harness
-from tests.connector.test_scheduler import assert_clean, prompt
+from tests.l3.test_planner import forget_l1_and_l2, l3_harness
+from tests.scheduler.test_scheduler import assert_clean, prompt
 from vllm_hicache.connector.kv_events import KVEventLog, contiguous_runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -14,8 +14,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from tests.conftest import make_config
 from tests.connector.test_geometry import kv_config
 from vllm_hicache.connector.geometry import geometry_from
-from vllm_hicache.connector.request_state import ReqState
-from vllm_hicache.connector.scheduler import HiCacheScheduler
+from vllm_hicache.scheduler.request_state import ReqState
+from vllm_hicache.scheduler.scheduler import HiCacheScheduler
 
 BLOCK = 32
 FULL = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)

@@ -19,10 +19,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from tests.connector.harness import BLOCK, make_harness
-from tests.connector.test_l3_scheduler import forget_l1_and_l2, l3_harness
-from tests.connector.test_scheduler import prompt
+from tests.l3.test_planner import forget_l1_and_l2, l3_harness
+from tests.scheduler.test_scheduler import prompt
+from vllm_hicache.common.stats import METRICS, key
 from vllm_hicache.connector.metrics import HiCacheKVConnectorStats
-from vllm_hicache.connector.stats import METRICS, key
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -197,8 +197,9 @@ def test_copy_clock_times_cuda_copies_when_the_gpu_is_done(monkeypatch):
     end event has completed (events resolved in order, bounded)."""
     import torch
 
-    from vllm_hicache.connector import stats as stats_mod
-    from vllm_hicache.connector.stats import CopyClock, WorkerCounters
+    from vllm_hicache.common.stats import WorkerCounters
+    from vllm_hicache.datapath import clock as stats_mod
+    from vllm_hicache.datapath.clock import CopyClock
 
     class TimedEvent:
         clock_ms = 0.0

@@ -26,7 +26,8 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from tests.connector.harness import BLOCK, make_harness
-from vllm_hicache.connector.metadata import HiCacheWorkerMetadata, PrefetchProgress
+from vllm_hicache.common.jobs import PrefetchProgress
+from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
 from vllm_hicache.policy import EVICTION_POLICIES
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -16,14 +16,8 @@ import pytest
 import torch
 
 from tests.connector.harness import LAYERS, make_harness
-from vllm_hicache.connector.metadata import (
-    BackupJob,
-    BlockCopy,
-    HiCacheMetadata,
-    HiCacheWorkerMetadata,
-    LoadJob,
-    PrefetchJob,
-)
+from vllm_hicache.common.jobs import BackupJob, BlockCopy, LoadJob, PrefetchJob
+from vllm_hicache.connector.metadata import HiCacheMetadata, HiCacheWorkerMetadata
 from vllm_hicache.datapath import KVDataPath
 
 # --- fakes ------------------------------------------------------------------
@@ -89,7 +83,7 @@ class FailingTransfer:
 class RecordingIO:
     """Stands in for StorageIO: records what the worker submits."""
 
-    rank = 0
+    worker_id = 0
 
     def __init__(self) -> None:
         self.backups: list[BackupJob] = []

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from tests.kernels.kv_factory import make_kv_layers, random_bits, same_bits, strided_5d
-from vllm_hicache.datapath import NO_COPY, Copy, KVDataPath, Load, allocate_pool
+from vllm_hicache.common.jobs import NO_COPY, BlockCopy, LoadJob
+from vllm_hicache.datapath import KVDataPath, allocate_pool
 from vllm_hicache.kernels import KernelTransfer, describe_kv_tensor
 
 # Geometry of the small rigs: odd page count, two kernel-unit-friendly sizes.
@@ -219,8 +220,8 @@ class Rig:
                 self.write_layer(layer, blocks, kv[:, layer])
         return snapshots
 
-    def step(self, *, write_back: Copy = NO_COPY, loads: Sequence[Load] = (),
-             async_loads: Sequence[Load] = (), stores: Copy = NO_COPY,
+    def step(self, *, write_back: BlockCopy = NO_COPY, loads: Sequence[LoadJob] = (),
+             async_loads: Sequence[LoadJob] = (), stores: BlockCopy = NO_COPY,
              forward: Callable[[], list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
         dp = self.dp
         dp.before_forward(write_back)
@@ -235,7 +236,7 @@ class Rig:
         """A step whose forward writes fresh KV into ``blocks``, stored into
         ``pages`` after it; returns that KV (``read_blocks`` order)."""
         kv = self.random_kv(len(blocks), seed)
-        self.step(stores=Copy(tuple(blocks), tuple(pages)),
+        self.step(stores=BlockCopy(tuple(blocks), tuple(pages)),
                   forward=lambda: self.forward(write=(blocks, kv)))
         self.synchronize()
         return kv

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from tests.datapath.rig import FailingTransfer, Rig, same
-from vllm_hicache.datapath import Copy, Load
+from vllm_hicache.common.jobs import BlockCopy, LoadJob
 
 Delay = Callable[[object], None]
 
@@ -40,7 +40,7 @@ def check_roundtrip(rig: Rig) -> None:
     rig.poison(DST)
     others = _others(rig, DST)
     before = rig.read_blocks(others).clone()
-    snapshots = rig.step(loads=[Load("r", Copy(DST, PAGES))],
+    snapshots = rig.step(loads=[LoadJob("r", BlockCopy(DST, PAGES))],
                          forward=lambda: rig.forward(read=DST))
     rig.synchronize()
     assert not rig.dp.take_load_errors()
@@ -49,7 +49,7 @@ def check_roundtrip(rig: Rig) -> None:
     assert same(rig.read_blocks(DST), kv)
     assert same(rig.read_blocks(others), before), "a load wrote outside its blocks"
 
-    rig.step(async_loads=[Load("a", Copy(ASYNC_DST, PAGES))])
+    rig.step(async_loads=[LoadJob("a", BlockCopy(ASYNC_DST, PAGES))])
     rig.poll_until({"a"})
     assert not rig.dp.take_load_errors()
     assert same(rig.read_blocks(ASYNC_DST), kv)
@@ -65,7 +65,7 @@ def check_loads_land_before_compute(rig: Rig, delay: Delay) -> None:
     read the loaded bytes, never the poison. Control: the same forward
     without the layer hooks reads poison, so the hold-back is real."""
     kv = rig.store(SRC, PAGES, seed=1)
-    load = Load("r", Copy(DST, PAGES))
+    load = LoadJob("r", BlockCopy(DST, PAGES))
 
     rig.poison(DST)
     delay(rig.dp.stream)
@@ -91,7 +91,7 @@ def check_layers_load_at_their_hook(rig: Rig) -> None:
     kv = rig.store(SRC, PAGES, seed=1)
     rig.poison(DST)
     rig.dp.before_forward()
-    rig.dp.begin_step([Load("r", Copy(DST, PAGES))])
+    rig.dp.begin_step([LoadJob("r", BlockCopy(DST, PAGES))])
     rig.dp.start_loads()
     for layer in range(rig.num_layers):
         assert rig.is_poison(rig.read_layer(layer, DST)), f"layer {layer} loaded early"
@@ -132,12 +132,12 @@ def check_stores_never_race(rig: Rig, delay: Delay | None = None) -> None:
         hold(rig.dp.stream)  # a slow store: the next step must wait for it
         return []
 
-    rig.step(stores=Copy(X, P), forward=forward_n)
+    rig.step(stores=BlockCopy(X, P), forward=forward_n)
     snapshots = rig.step(
-        loads=[Load("hit", Copy(REUSED_BY_LOAD, Q))],
+        loads=[LoadJob("hit", BlockCopy(REUSED_BY_LOAD, Q))],
         forward=lambda: rig.forward(read=REUSED_BY_LOAD, write=(REUSED_BY_FORWARD, kv_n1)))
     hold(rig.dp.stream)
-    rig.step(write_back=Copy(REUSED_BY_FORWARD, WRITE_BACK_PAGES),
+    rig.step(write_back=BlockCopy(REUSED_BY_FORWARD, WRITE_BACK_PAGES),
              forward=lambda: rig.forward(write=(REUSED_BY_FORWARD, kv_n2)))
     rig.synchronize()
 
@@ -162,7 +162,7 @@ def check_race_control(rig: Rig, delay: Delay) -> None:
         delay(rig.dp.stream)
         return []
 
-    rig.step(stores=Copy(X, P), forward=forward_n)
+    rig.step(stores=BlockCopy(X, P), forward=forward_n)
     dp = rig.dp
     dp.begin_step([])  # no before_forward
     dp.start_loads()
@@ -175,8 +175,8 @@ def check_race_control(rig: Rig, delay: Delay) -> None:
 
 # --- failures ----------------------------------------------------------------------
 
-GOOD = Load("good", Copy((12, 13, 14), (3, 4, 5)))
-BAD = Load("bad", Copy((20, 21, 22), (28, 0, 17)))
+GOOD = LoadJob("good", BlockCopy((12, 13, 14), (3, 4, 5)))
+BAD = LoadJob("bad", BlockCopy((20, 21, 22), (28, 0, 17)))
 BAD_PAGE = 0
 NEW_BLOCKS, NEW_PAGES = (1, 2), (26, 27)
 
@@ -194,7 +194,7 @@ def check_layer_load_failure(rig: Rig, fail_layer: int) -> None:
     wrapper = FailingTransfer(rig.dp.transfer, lambda op, layer, pages:
                               op == "load_layer" and layer == fail_layer and BAD_PAGE in pages)
     rig.dp.transfer = wrapper
-    snapshots = rig.step(loads=[GOOD, BAD], stores=Copy(NEW_BLOCKS, NEW_PAGES),
+    snapshots = rig.step(loads=[GOOD, BAD], stores=BlockCopy(NEW_BLOCKS, NEW_PAGES),
                          forward=lambda: rig.forward(read=GOOD.copy.block_ids))
     rig.synchronize()
 
@@ -213,7 +213,7 @@ def check_transfer_refusal_is_a_load_error(rig: Rig) -> None:
     """The copy engine itself raises (a page id past the pool): load errors
     for exactly that job, the other loads fine."""
     kv = rig.store(SRC, PAGES, seed=1)
-    broken = Load("broken", Copy((8, 9), (1, rig.pool.num_pages)))
+    broken = LoadJob("broken", BlockCopy((8, 9), (1, rig.pool.num_pages)))
     rig.step(loads=[GOOD, broken])
     rig.synchronize()
     assert rig.dp.take_load_errors() == {8, 9}
@@ -241,13 +241,13 @@ def check_store_failure(rig: Rig) -> None:
     wrapper = FailingTransfer(rig.dp.transfer, lambda op, layer, pages:
                               fail["on"] and op == "store" and NEW_PAGES[0] in pages)
     rig.dp.transfer = wrapper
-    rig.step(stores=Copy(NEW_BLOCKS, NEW_PAGES))
+    rig.step(stores=BlockCopy(NEW_BLOCKS, NEW_PAGES))
     assert rig.dp.take_failed_store_pages() == set(NEW_PAGES)
     assert rig.dp.take_failed_store_pages() == set()
     assert rig.dp.unreadable([3, *NEW_PAGES]) == set(NEW_PAGES)
 
-    reader = Load("reader", Copy((15, 16), (3, NEW_PAGES[1])))
-    waiter = Load("waiter", Copy((17,), (NEW_PAGES[0],)))
+    reader = LoadJob("reader", BlockCopy((15, 16), (3, NEW_PAGES[1])))
+    waiter = LoadJob("waiter", BlockCopy((17,), (NEW_PAGES[0],)))
     rig.step(loads=[reader, GOOD], async_loads=[waiter])
     rig.poll_until({"waiter"})
     assert rig.dp.take_load_errors() == {15, 16, 17}
@@ -257,7 +257,7 @@ def check_store_failure(rig: Rig) -> None:
     kv = rig.store((11,), (NEW_PAGES[1],), seed=6)  # a later store succeeds
     rig.dp.rewritten([NEW_PAGES[0]])  # an L3 read rewrites the other
     assert rig.dp.unreadable(NEW_PAGES) == set()
-    rig.step(loads=[Load("again", Copy((18,), (NEW_PAGES[1],)))])
+    rig.step(loads=[LoadJob("again", BlockCopy((18,), (NEW_PAGES[1],)))])
     rig.synchronize()
     assert not rig.dp.take_load_errors()
     assert same(rig.read_blocks((18,)), kv)

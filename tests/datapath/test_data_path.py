@@ -13,7 +13,7 @@ import pytest
 
 from tests.datapath import scenarios
 from tests.datapath.rig import CPU_CASES, Rig, same
-from vllm_hicache.datapath import Copy, Load
+from vllm_hicache.common.jobs import BlockCopy, LoadJob
 from vllm_hicache.host import MEM_LAYOUTS
 
 
@@ -72,7 +72,7 @@ def test_skipped_layer_hooks_fail_every_load(rig_factory):
     loads still land (for the cache's sake) and all of them are errors."""
     rig = rig_factory()
     kv = rig.store(scenarios.SRC, scenarios.PAGES, seed=1)
-    load = Load("r", Copy(scenarios.DST, scenarios.PAGES))
+    load = LoadJob("r", BlockCopy(scenarios.DST, scenarios.PAGES))
     rig.step(loads=[load], forward=lambda: rig.forward(wait=False))
     assert rig.dp.take_load_errors() == set(scenarios.DST)
     assert same(rig.read_blocks(scenarios.DST), kv)

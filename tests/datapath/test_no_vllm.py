@@ -18,7 +18,7 @@ NO_VLLM_MODULES = [
     "vllm_hicache.datapath",
     "vllm_hicache.datapath.pipeline",
     "vllm_hicache.datapath.async_loads",
-    "vllm_hicache.datapath.jobs",
+    "vllm_hicache.common.jobs",
     "tests.datapath.rig",
     "tests.datapath.scenarios",
     "tests.gpu.conftest",

@@ -168,7 +168,7 @@ def converse(llm, seed: int, evict: str,
 def stored_positions(sched):
     """Block positions the scheduler half indexes as stored pages meanwhile
     (none without a connector)."""
-    from vllm_hicache.connector.page_ops import OpKind
+    from vllm_hicache.common.page_ops import OpKind
 
     seen: list[int] = []
     if sched is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_hicache.connector.l3_canary import is_canary_key
+from vllm_hicache.l3.canary import is_canary_key
 from vllm_hicache.storage.format import HEADER_BYTES, header_key_digest, key_digest
 from vllm_hicache.storage.pages import state_sealed_key
 from vllm_hicache.storage.sealing import ChecksumCodec
@@ -20,7 +20,7 @@ from vllm_hicache.storage.sealing import ChecksumCodec
 
 def objects(root: str | Path) -> dict[str, Path]:
     """key -> file of every block's object under ``root`` (keys: keys.py;
-    not the start-up canaries, l3_canary.py)."""
+    not the start-up canaries, l3/canary.py)."""
     found = {p.name.removesuffix(".hckv"): p for p in Path(root).rglob("*.hckv")}
     return {k: p for k, p in found.items() if not is_canary_key(k)}
 

@@ -182,7 +182,7 @@ def test_soak_returns_to_baseline(tiny_model_dir):
         half.check_integrity()
         # Pins, operations, prefetch pages: all back to zero.
         assert len(half.ops) == 0 and half.tree.num_locked_pages == 0
-        assert not half.tree.allocated_pages() and not half.l3.has_open_prefetches()
+        assert not half.tree.allocated_pages() and not half.l3.in_flight()["prefetches"]
         assert half.stats.loaded_blocks > 0 and half.l3.prefetched_blocks > 0
         report(curve, baseline)
         if baseline is not None:

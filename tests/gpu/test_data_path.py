@@ -31,7 +31,7 @@ import torch
 
 from tests.datapath import scenarios
 from tests.datapath.rig import GPU_CASES, PRODUCTION_IO, Rig
-from vllm_hicache.datapath import Copy, Load
+from vllm_hicache.common.jobs import BlockCopy, LoadJob
 from vllm_hicache.host import MEM_LAYOUTS
 
 pytestmark = [
@@ -141,7 +141,7 @@ def test_layer_loads_overlap_compute(rig_factory, spin, cycles_per_ms, report, i
     # One run of blocks per request, its pages elsewhere in the pool.
     per_job = rig.num_blocks // OVERLAP_JOBS
     loads = [
-        Load(f"r{j}", Copy(tuple(range(j * per_job, (j + 1) * per_job)),
+        LoadJob(f"r{j}", BlockCopy(tuple(range(j * per_job, (j + 1) * per_job)),
                            tuple(range((OVERLAP_JOBS - 1 - j) * per_job,
                                        (OVERLAP_JOBS - j) * per_job))))
         for j in range(OVERLAP_JOBS)

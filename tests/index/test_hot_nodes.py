@@ -1,5 +1,5 @@
 """HiRadixTree.hot_nodes / node_chain: what a runtime L3 attach backs up
-(connector/l3_attach.py), in which order, under which hashes."""
+(admin/storage_control.py), in which order, under which hashes."""
 
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ def test_secret_is_in_no_repr_or_log(tmp_path, caplog):
 def test_canary_with_a_secret(make_pages, encrypt):
     """The start-up canary runs through the sealing codec, and its diagnosis
     of an object that comes back altered uses it too."""
-    from vllm_hicache.connector.l3_canary import FAILED, PASSED, run_canary
+    from vllm_hicache.l3.canary import FAILED, PASSED, run_canary
 
     pages = make_pages(SECRET, encrypt)
     assert run_canary(pages).outcome == PASSED

@@ -18,8 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,19 +33,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_hicache import log_through_vllm
+from vllm_hicache.admin.api import start_admin_api
+from vllm_hicache.admin.storage_control import make_control
+from vllm_hicache.common.redact import redacted
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
-from vllm_hicache.connector.admin_api import start_admin_api
 from vllm_hicache.connector.geometry import KVGeometry, fit_config_to_groups, geometry_from
 from vllm_hicache.connector.kv_events import KVEventLog, kv_events_enabled
-from vllm_hicache.connector.l3_attach import make_control
-from vllm_hicache.connector.l3_setup import build_planner, check_shareable_hashes
 from vllm_hicache.connector.metadata import HiCacheMetadata
 from vllm_hicache.connector.metrics import HiCacheKVConnectorStats, HiCachePromMetrics
-from vllm_hicache.connector.pd import pd_role
-from vllm_hicache.connector.scheduler import HiCacheScheduler
 from vllm_hicache.connector.worker import HiCacheWorker
 from vllm_hicache.kernels import kernel_io_missing
+from vllm_hicache.l3.setup import build_planner, check_shareable_hashes
+from vllm_hicache.logs import log_through_vllm
+from vllm_hicache.scheduler.pd import pd_role
+from vllm_hicache.scheduler.scheduler import HiCacheScheduler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,29 +114,6 @@ _HIT_SOURCE = {"L2": CacheHitSource.HOST, "L3": CacheHitSource.DISK}
 
 
 # --- start-up logging ------------------------------------------------------
-
-# Option names whose values never reach a log line (matched case-insensitively
-# anywhere in the name, at any depth of the backend options).
-_SECRET_NAME = re.compile(
-    r"pass|secret|token|credential|auth|private|api_?key|access_?key|(^|_)key$", re.I
-)
-# user:password@ in a URL-like value.
-_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
-_REDACTED = "<redacted>"
-
-
-def redacted(value: Any) -> Any:
-    """``value`` (backend options) with secrets replaced, for logs."""
-    if isinstance(value, Mapping):
-        return {
-            k: _REDACTED if _SECRET_NAME.search(str(k)) else redacted(v) for k, v in value.items()
-        }
-    if isinstance(value, (list, tuple)):
-        return [redacted(v) for v in value]
-    if isinstance(value, str):
-        return _URL_USERINFO.sub(_REDACTED + "@", value)
-    return value
-
 
 def _size(num_bytes: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -243,8 +220,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.events = KVEventLog(kv_events_enabled(vllm_config), geom.block_size)
             logger.info("%s", start_line(cfg, geom, self.scheduler.num_pages,
                                          parallel.local_world_size))
-            # Runtime attach/detach of L3 (l3_attach.py, admin_api.py).
-            self.scheduler.storage_control = make_control(self.scheduler, geom, vllm_config)
+            # Runtime attach/detach of L3 (admin/storage_control.py, admin/api.py).
+            self.scheduler.install_commands(make_control(self.scheduler, geom, vllm_config))
             self._admin_api = start_admin_api(self.scheduler.storage_control, cfg, vllm_config)
         else:
             self.worker = HiCacheWorker(cfg, geom, vllm_config)

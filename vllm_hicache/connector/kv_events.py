@@ -1,47 +1,20 @@
-"""KV cache events for HiCache's tiers, for KV-aware routers.
-
-With vLLM's KV events on (``--kv-events-config '{"enable_kv_cache_events":
-true, ...}'``), vLLM publishes its own L1 blocks (medium ``GPU``) and, every
-step, what the connector's ``take_events`` returns. The scheduler half
-records here:
-
-- L2 (medium ``CPU``): ``BlockStored`` when blocks are indexed in L2 (a
-  store or write-back planned this step, or pages an L3 prefetch committed),
-  ``BlockRemoved`` when they leave the index (eviction, a failed copy,
-  ``reset_cache``).
-- L3 (medium ``STORAGE``, ``ownership`` = the backend's name, e.g. ``file``):
-  ``BlockStored`` once every rank acknowledged a backup, for the blocks no
-  rank failed to write (including objects L3 already had); ``BlockRemoved``
-  when a prefetch found objects it had just looked up missing or invalid
-  (for the rest of that prefetch: unreachable by prefix from here). Backends
-  evict on their own (file LRU, Redis, Mooncake leases) without telling:
-  ``STORAGE`` entries are hints, as L3 itself is.
-
-One event per contiguous run of blocks (parent hash, hashes, and the run's
-token ids where the request is at hand: stores; prefetch commits and
-backups carry none). Hashes are vLLM's block hashes converted as vLLM does
-(``maybe_convert_block_hash``), so they match the ``GPU`` events. The same
-block may be announced more than once (stored, evicted, stored again); as
-for vLLM's offloading connector, consumers deduplicate.
-
-Bounded: at most ``MAX_EVENTS`` wait for ``take_events`` (vLLM takes them
-every step); beyond that the oldest are dropped and counted. With events
-off every call returns at once.
+"""KV cache events as vLLM publishes them: ``common/events.py``'s record,
+made of vLLM's ``BlockStored``/``BlockRemoved`` with block hashes converted
+as vLLM converts them (``maybe_convert_block_hash``), so they match its own
+``GPU`` events. The tiers, media and bounds are ``common/events.py``'s.
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from vllm.v1.request import Request
-
-MEDIUM_L2 = "CPU"
-MEDIUM_L3 = "STORAGE"
-# Events waiting for take_events, at most.
-MAX_EVENTS = 16384
+from vllm_hicache.common.events import (  # noqa: F401 - this module's public names too
+    MAX_EVENTS,
+    MEDIUM_L2,
+    MEDIUM_L3,
+    EventLog,
+    contiguous_runs,
+)
 
 
 def kv_events_enabled(vllm_config) -> bool:
@@ -49,74 +22,23 @@ def kv_events_enabled(vllm_config) -> bool:
     return bool(cfg is not None and cfg.enable_kv_cache_events)
 
 
-def contiguous_runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
-    """``[lo, hi)`` runs of consecutive block indices, in order."""
-    if not blocks:
-        return []
-    if blocks[-1] - blocks[0] + 1 == len(blocks):
-        return [(blocks[0], blocks[-1] + 1)]  # the usual case: one run
-    runs = []
-    lo = prev = blocks[0]
-    for b in blocks[1:]:
-        if b != prev + 1:
-            runs.append((lo, prev + 1))
-            lo = b
-        prev = b
-    runs.append((lo, prev + 1))
-    return runs
+class KVEventLog(EventLog):
+    """The event log of an engine with vLLM's KV events on (or off)."""
 
-
-class KVEventLog:
     def __init__(self, enabled: bool, block_size: int, max_events: int = MAX_EVENTS) -> None:
-        self.enabled = enabled
-        self.block_size = block_size
-        self._events: collections.deque = collections.deque(maxlen=max_events)
-        self.dropped = 0
+        super().__init__(enabled, block_size, max_events)
         if enabled:
             from vllm.distributed.kv_events import BlockRemoved, BlockStored
             from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
             self._stored_cls, self._removed_cls = BlockStored, BlockRemoved
-            self._convert = maybe_convert_block_hash
+            self._convert_hash = maybe_convert_block_hash
 
-    def _append(self, event) -> None:
-        if len(self._events) == self._events.maxlen:
-            self.dropped += 1  # the deque drops the oldest
-        self._events.append(event)
+    def _convert(self, block_hash: bytes) -> Any:
+        return self._convert_hash(block_hash)
 
-    def stored(self, medium: str, chain: Sequence[bytes], blocks: Sequence[int],
-               request: Request | None = None, ownership: str | None = None) -> None:
-        """Blocks ``blocks`` (indices into ``chain``, ascending) entered ``medium``."""
-        if not self.enabled or not blocks:
-            return
-        convert, bs = self._convert, self.block_size
-        lora = request.lora_request if request is not None else None
-        for lo, hi in contiguous_runs(blocks):
-            self._append(self._stored_cls(
-                block_hashes=[convert(h) for h in chain[lo:hi]],
-                parent_block_hash=convert(chain[lo - 1]) if lo else None,
-                token_ids=request.all_token_ids[lo * bs:hi * bs] if request is not None else [],
-                block_size=bs,
-                lora_id=lora.adapter_id if lora is not None else None,
-                medium=medium,
-                lora_name=lora.name if lora is not None else None,
-                group_idx=0,
-                ownership=ownership,
-            ))
+    def _stored_event(self, **fields: Any) -> Any:
+        return self._stored_cls(**fields)
 
-    def removed(self, medium: str, hashes: Sequence[bytes], ownership: str | None = None) -> None:
-        if not self.enabled or not hashes:
-            return
-        convert = self._convert
-        self._append(self._removed_cls(block_hashes=[convert(h) for h in hashes], medium=medium,
-                                       group_idx=0, ownership=ownership))
-
-    def take(self) -> list[Any]:
-        if not self._events:
-            return []
-        events = list(self._events)
-        self._events.clear()
-        return events
-
-    def __len__(self) -> int:
-        return len(self._events)
+    def _removed_event(self, **fields: Any) -> Any:
+        return self._removed_cls(**fields)

@@ -1,4 +1,4 @@
-"""Wire types between the two halves of the connector.
+"""The envelopes vLLM carries between the two halves of the connector.
 
 Scheduler -> workers, once per step: ``HiCacheMetadata``. Its operations are
 executed by every worker in this order, and step N's operations finish before
@@ -13,90 +13,27 @@ step N+1's start (stores of step N before loads of step N+1):
 4. ``stores``: write-through copies L1 -> L2 of blocks completed by this
    step's forward; run after the forward.
 
-Everything here must pickle: it crosses from EngineCore to the workers.
+Everything here must pickle: it crosses from EngineCore to the workers. The
+jobs inside are ``common/jobs.py``'s, which the workers execute as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
-
-@dataclass(frozen=True)
-class BlockCopy:
-    """Pairs of (vLLM block id, host page id), matched by position."""
-
-    block_ids: tuple[int, ...] = ()
-    page_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        assert len(self.block_ids) == len(self.page_ids), (
-            len(self.block_ids),
-            len(self.page_ids),
-        )
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-
-@dataclass(frozen=True)
-class LoadJob:
-    """Load host pages into one request's blocks."""
-
-    req_id: str
-    copy: BlockCopy
-
-
-@dataclass(frozen=True)
-class PrefetchJob:
-    """Read L3 objects of ``hashes`` into host ``pages`` (L3 -> L2)."""
-
-    op_id: int
-    hashes: tuple[bytes, ...]
-    pages: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BackupJob:
-    """Write host ``pages`` to L3 under ``hashes`` (L2 -> L3), after this
-    step's stores have filled them. ``states``: per page, whether its state
-    part is valid (models with a state group, page_states.py; else empty)."""
-
-    op_id: int
-    hashes: tuple[bytes, ...]
-    pages: tuple[int, ...]
-    states: tuple[bool, ...] = ()
-
-
-class PrefetchProgress(NamedTuple):
-    """One rank's progress on one prefetch op."""
-
-    done: int           # leading pages verified and written into L2
-    finished: bool      # nothing more will come
-    # Of those, the pages (indices into the job's pages) whose state part is
-    # valid (models with a state group; else empty).
-    state_pages: frozenset[int] = frozenset()
-
-
-@dataclass(frozen=True)
-class StorageCommand:
-    """Attach or detach this rank's L3 client (admin API; l3_attach.py).
-    Run first, before any other operation of its step; acknowledged in
-    ``HiCacheWorkerMetadata.storage_acks``. ``storage_keys``: the
-    ``hicache_storage_*`` keys, as kv_connector_extra_config holds them, that
-    each worker parses as it does at start (may hold a secret: never shown)."""
-
-    cmd_id: int
-    action: str  # "attach" | "detach"
-    storage_keys: dict | None = field(default=None, repr=False)
-    # attach: two free host pages the start canary may use (l3_canary).
-    canary_pages: tuple[int, int] | None = None
+from vllm_hicache.common.jobs import (
+    BackupJob,
+    BlockCopy,
+    LoadJob,
+    PrefetchJob,
+    PrefetchProgress,
+    StorageCommand,
+)
 
 
 @dataclass
@@ -148,18 +85,3 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
         for op_id, hashes in other.backup_failures.items():
             self.backup_failures.setdefault(op_id, set()).update(hashes)
         return self
-
-
-class BlockPage(NamedTuple):
-    """One block to copy between its L1 block and its L2 page."""
-
-    block_id: int
-    page: int
-
-
-def merge_copies(pairs: Sequence[BlockPage]) -> BlockCopy:
-    """One BlockCopy for a step's block/page pairs."""
-    if not pairs:
-        return BlockCopy()
-    blocks, pages = zip(*pairs)
-    return BlockCopy(tuple(blocks), tuple(pages))

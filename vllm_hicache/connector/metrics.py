@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from vllm_hicache.connector.stats import METRICS, TRANSFER_OPS, key, split_key
+from vllm_hicache.common.stats import METRICS, TRANSFER_OPS, key, split_key
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ def engine_loop_waker() -> Callable[[], None] | None:
     Why: an idle ``EngineCoreProc`` blocks in ``_process_input_queue`` on
     ``input_queue.get()`` and looks at ``has_work()`` (which includes the
     connector's ``has_pending_push_work``) only when something arrives there.
-    The admin API thread (admin_api.py) queues a command for the scheduler
+    The admin API thread (admin/api.py) queues a command for the scheduler
     half, which makes ``has_pending_push_work`` true; this callable then puts
     vLLM's own ``WAKEUP`` sentinel (what its shutdown path uses to wake the
     same loop; ``_handle_client_request`` ignores it) into that queue, so the
@@ -81,7 +81,7 @@ def watch_block_pool(pool, on_reuse: Callable[[object], None],
     ``_maybe_evict_cached_block``, ``reset_prefix_cache`` or ``blocks``;
     evicts cached blocks on another path; or changes ``block_hash`` /
     ``block_id`` on its blocks. Write-back then stores nothing (or raises at
-    start on a rename); tests/connector/test_write_back.py and the write_back
+    start on a rename); tests/scheduler/test_write_back.py and the write_back
     rows of tests/e2e/test_engine_matrix.py fail.
     """
     get_new_blocks = pool.get_new_blocks
@@ -119,7 +119,7 @@ def l1_has_block(pool, block_hash: bytes) -> bool:
     Breaks if vLLM changes ``BlockPool.get_cached_block(block_hash,
     kv_cache_group_ids)`` (a public method of an internal class): L3 lookups
     then start at block 0 and look up blocks L1 already has (slower, never
-    wrong); tests/connector/test_l3_scheduler.py notices.
+    wrong); tests/l3/test_planner.py notices.
     """
     return pool.get_cached_block(block_hash, [0]) is not None
 
@@ -129,7 +129,7 @@ def drop_l1_blocks(pool, block_ids: set[int]) -> None:
 
     Breaks if vLLM renames ``BlockPool.evict_blocks``; then a block whose load
     failed could be hit by another request before it is recomputed:
-    tests/connector/test_scheduler_hardening.py
+    tests/scheduler/test_scheduler_hardening.py
     (test_failed_load_leaves_vllms_prefix_cache_too) fails.
     """
     pool.evict_blocks(block_ids)

@@ -6,8 +6,8 @@ scheduler half, identical on every rank (each rank stores its own heads).
 The data movement itself (host pool, copy engine, transfer stream and
 per-layer events, async loads, stores, write-back copies, and what a failed
 copy becomes) is ``datapath.KVDataPath``, which imports no vLLM. This class
-translates vLLM's hooks and ``HiCacheMetadata`` into its calls with plain
-descriptors, and wires the L3 client (``StorageIO``) and the admin
+maps vLLM's hooks onto its calls, handing it ``HiCacheMetadata``'s jobs
+(``common/jobs.py``) as they are, and wires the L3 client (``StorageIO``) and the admin
 attach/detach commands around it:
 
     handle_preemptions   -> before_forward(write-back copies)
@@ -24,40 +24,30 @@ never writes a page whose store failed (``unreadable``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 
 from vllm_hicache import io_threads
+from vllm_hicache.common.jobs import NO_COPY, BackupJob, StorageCommand
+from vllm_hicache.common.stats import WorkerCounters, key, l3_usage_gauges
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
-from vllm_hicache.connector.l3_attach_worker import run_storage_command
-from vllm_hicache.connector.l3_setup import build_storage_io
-from vllm_hicache.connector.l3_worker import StorageIO
-from vllm_hicache.connector.metadata import (
-    BackupJob,
-    BlockCopy,
-    HiCacheMetadata,
-    HiCacheWorkerMetadata,
-    LoadJob,
-)
-from vllm_hicache.connector.stats import CopyClock, WorkerCounters, key, l3_usage_gauges
+from vllm_hicache.connector.metadata import HiCacheMetadata, HiCacheWorkerMetadata
 from vllm_hicache.connector.vllm_compat import cpu_compute_cores
-from vllm_hicache.datapath import NO_COPY, Copy, KVDataPath, Load, allocate_pool
+from vllm_hicache.datapath import KVDataPath, allocate_pool
+from vllm_hicache.datapath.clock import CopyClock
 from vllm_hicache.datapath.grouped import block_view
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor
+from vllm_hicache.l3.attach_worker import run_storage_command
+from vllm_hicache.l3.setup import build_storage_io, worker_id
+from vllm_hicache.l3.worker_io import StorageIO
+from vllm_hicache.storage_config import StorageConfig
 
 logger = logging.getLogger(__name__)
-
-
-def _copy(copy: BlockCopy) -> Copy:
-    return Copy(copy.block_ids, copy.page_ids)
-
-
-def _loads(jobs: list[LoadJob]) -> list[Load]:
-    return [Load(job.req_id, _copy(job.copy)) for job in jobs]
 
 
 class HiCacheWorker:
@@ -77,7 +67,7 @@ class HiCacheWorker:
         self._meta: HiCacheMetadata | None = None
         self._evicted_for: HiCacheMetadata | None = None
         self._io: StorageIO | None = None
-        # Acks of admin attach/detach commands (l3_attach.py) not yet reported.
+        # Acks of admin attach/detach commands (admin/storage_control.py) not yet reported.
         self._storage_acks: dict[int, dict[int, str]] = {}
         # Metrics (stats.py): bytes and seconds of this rank's copies.
         self.counters = WorkerCounters()
@@ -199,7 +189,7 @@ class HiCacheWorker:
     def handle_preemptions(self, meta: HiCacheMetadata) -> None:
         """Runs before the step's forward can overwrite any block."""
         # Write-back: these blocks were just handed to new requests (once per step).
-        write_back = _copy(meta.evict_stores) if self._evicted_for is not meta else NO_COPY
+        write_back = meta.evict_stores if self._evicted_for is not meta else NO_COPY
         self.data.before_forward(write_back)
         self._evicted_for = meta
 
@@ -209,7 +199,7 @@ class HiCacheWorker:
             self.handle_preemptions(meta)
         self._meta = meta
         if meta.storage_command is not None:  # before any L3 job of this step
-            self._storage_acks.update(run_storage_command(self, meta.storage_command))
+            self._run_storage_command(meta.storage_command)
         if meta.prefetches:
             # Prefetch pages may have fed a load a moment ago (CUDA: still
             # queued): the reads start after everything issued so far.
@@ -219,7 +209,22 @@ class HiCacheWorker:
                 # what it reports as read, so old garbage no longer matters.
                 self.data.rewritten(job.pages)
                 self._io.submit_prefetch(job, ready)
-        self.data.begin_step(_loads(meta.loads))
+        self.data.begin_step(meta.loads)
+
+    def _run_storage_command(self, cmd: StorageCommand) -> None:
+        """An admin attach or detach of this rank's L3 client (l3/attach_worker.py)."""
+        held = run_storage_command(cmd, self._io, self.cfg.storage, self._build_io,
+                                   worker_id(self._vllm_config))
+        self._io = held.io
+        self.cfg = dataclasses.replace(self.cfg, storage=held.storage)
+        self._storage_acks.update(held.ack)
+
+    def _build_io(self, storage: StorageConfig,
+                  canary_pages: tuple[int, int] | None) -> StorageIO:
+        if self.pool is None:
+            raise RuntimeError("KV caches are not registered yet")
+        cfg = dataclasses.replace(self.cfg, storage=storage)
+        return build_storage_io(cfg, self.geom, self._vllm_config, self.pool, canary_pages)
 
     def start_load_kv(self) -> None:
         meta = self._meta
@@ -228,7 +233,7 @@ class HiCacheWorker:
         if self._hybrid:
             for job in meta.async_loads:
                 self._async_blocks[job.req_id] = frozenset(job.copy.block_ids)
-        self.data.start_loads(_loads(meta.async_loads))
+        self.data.start_loads(meta.async_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -239,7 +244,7 @@ class HiCacheWorker:
         meta = self._meta
         if meta is None:
             return
-        self.data.after_forward(_copy(meta.stores))
+        self.data.after_forward(meta.stores)
         if meta.backups:
             ready = self.data.ready_event()
             for job in meta.backups:
@@ -303,10 +308,10 @@ class HiCacheWorker:
         if (not progress and not backups and not failed_pages and not storage_acks
                 and not backup_failures):
             return None
-        rank = self._io.rank if self._io is not None else None
+        sender = self._io.worker_id if self._io is not None else None
         return HiCacheWorkerMetadata(
-            prefetch={op: {rank: p} for op, p in progress.items()},
-            backups={op: {rank} for op in backups},
+            prefetch={op: {sender: p} for op, p in progress.items()},
+            backups={op: {sender} for op in backups},
             failed_store_pages=failed_pages,
             storage_acks=storage_acks,
             backup_failures=backup_failures,
@@ -327,7 +332,7 @@ class HiCacheWorker:
             if invalid:
                 counts[key("l3_errors", "invalid_object")] = invalid
             now = time.monotonic()
-            if io.rank == 0 and now - self._l3_gauges_at >= 1.0:
+            if io.worker_id == 0 and now - self._l3_gauges_at >= 1.0:
                 self._l3_gauges_at = now
                 gauges = l3_usage_gauges(io.pages.backend)
         return counts, gauges

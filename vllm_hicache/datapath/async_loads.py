@@ -23,8 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from vllm_hicache import io_threads
+from vllm_hicache.common.jobs import LoadJob
 from vllm_hicache.datapath.grouped import copy_bytes
-from vllm_hicache.datapath.jobs import Load
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class AsyncLoader:
         # The copy engine (a KVTransfer); the data path swaps it in place.
         self.transfer = transfer
         self._stream = stream
-        # Times the copies for metrics (connector/stats.CopyClock); None: untimed.
+        # Times the copies for metrics (datapath/clock.CopyClock); None: untimed.
         self._clock = clock
         self._page_bytes = page_bytes
         self._executor = (
@@ -43,12 +43,12 @@ class AsyncLoader:
             if stream is None else None
         )
         # req_id -> (job, future or CUDA event)
-        self._inflight: dict[str, tuple[Load, object]] = {}
+        self._inflight: dict[str, tuple[LoadJob, object]] = {}
         # Jobs already known to have failed when they were issued; their
         # handle only says when it is safe to report them.
         self._failed: set[str] = set()
 
-    def submit(self, job: Load) -> None:
+    def submit(self, job: LoadJob) -> None:
         copy = job.copy
         if self._executor is not None:
             handle = self._executor.submit(self._timed_load, copy.block_ids, copy.page_ids)
@@ -65,7 +65,7 @@ class AsyncLoader:
         self._clock.stop(started, "load", copy_bytes(self.transfer, block_ids, self._page_bytes),
                          stream)
 
-    def _submit_on_stream(self, job: Load):
+    def _submit_on_stream(self, job: LoadJob):
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             try:
@@ -80,7 +80,7 @@ class AsyncLoader:
             handle.record(self._stream)
         return handle
 
-    def fail(self, job: Load) -> None:
+    def fail(self, job: LoadJob) -> None:
         """Report ``job`` finished with every block failed, copying nothing
         (its source pages are known to be bad)."""
         handle: Future = Future()

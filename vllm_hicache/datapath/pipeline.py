@@ -45,9 +45,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from vllm_hicache.common.jobs import NO_COPY, BlockCopy, LoadJob
 from vllm_hicache.datapath.async_loads import AsyncLoader
 from vllm_hicache.datapath.grouped import GroupedTransfer, copy_bytes
-from vllm_hicache.datapath.jobs import NO_COPY, Copy, Load
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import DeviceKVLayout, KVTransfer, make_transfer
 
@@ -64,7 +64,7 @@ def allocate_pool(num_pages: int, layouts: Sequence[DeviceKVLayout], mem_layout:
 
 
 class _Untimed:
-    """Stands in for a ``connector.stats.CopyClock`` when nobody counts."""
+    """Stands in for a ``datapath.clock.CopyClock`` when nobody counts."""
 
     def start(self, stream=None):
         return None
@@ -93,7 +93,7 @@ class KVDataPath:
         self._timing_events = timing_events
         self.async_loads = AsyncLoader(transfer, stream, clock, pool.bytes_per_page)
         # This step's layerwise loads, and the layers not yet waited for.
-        self._loads: list[Load] = []
+        self._loads: list[LoadJob] = []
         self._pending_layers: set[int] = set()
         # CUDA: layer -> event after that layer's loads (all layers recorded).
         self._layer_events: dict[int, torch.cuda.Event] = {}
@@ -138,7 +138,7 @@ class KVDataPath:
 
     # --- one step ------------------------------------------------------------
 
-    def before_forward(self, write_back: Copy = NO_COPY) -> None:
+    def before_forward(self, write_back: BlockCopy = NO_COPY) -> None:
         """Before the step's forward can overwrite any block: the compute
         stream waits for the last stores, then ``write_back`` (blocks vLLM
         is handing to new requests) is copied to the host, and the compute
@@ -151,7 +151,7 @@ class KVDataPath:
             # Even after a failure: part of the copy may still be queued.
             self._compute_waits_for_stores(record_now=True)
 
-    def begin_step(self, loads: Sequence[Load]) -> None:
+    def begin_step(self, loads: Sequence[LoadJob]) -> None:
         """This step's layerwise loads; those reading garbage fail now."""
         self._loads = list(loads)
         self._pending_layers = set(range(self.num_layers)) if self._loads else set()
@@ -161,7 +161,7 @@ class KVDataPath:
             if self._reads_garbage(job):
                 self._fail_load(job)
 
-    def start_loads(self, async_loads: Sequence[Load] = ()) -> None:
+    def start_loads(self, async_loads: Sequence[LoadJob] = ()) -> None:
         """Issue the async loads, and on CUDA queue every layer's loads."""
         for job in async_loads:
             if self._reads_garbage(job):
@@ -184,7 +184,7 @@ class KVDataPath:
             self._queue_layer_loads()
         torch.cuda.current_stream().wait_event(self._layer_events[layer])
 
-    def after_forward(self, stores: Copy = NO_COPY) -> None:
+    def after_forward(self, stores: BlockCopy = NO_COPY) -> None:
         """After the forward: write-through stores of the blocks it completed."""
         if self._pending_layers:
             self._finish_skipped_layers()
@@ -294,7 +294,7 @@ class KVDataPath:
         return sum(copy_bytes(self._transfer, j.copy.block_ids, self.pool.bytes_per_page)
                    for j in self._loads if j.req_id not in self._failed_loads)
 
-    def _copy_layer(self, layer: int, job: Load) -> None:
+    def _copy_layer(self, layer: int, job: LoadJob) -> None:
         if job.req_id in self._failed_loads:
             return  # its blocks are recomputed: more copies are wasted work
         try:
@@ -303,11 +303,11 @@ class KVDataPath:
             logger.exception("HiCache: layer %d load of %s failed", layer, job.req_id)
             self._fail_load(job)
 
-    def _fail_load(self, job: Load) -> None:
+    def _fail_load(self, job: LoadJob) -> None:
         self._failed_loads.add(job.req_id)
         self._load_errors.update(job.copy.block_ids)
 
-    def _reads_garbage(self, job: Load) -> bool:
+    def _reads_garbage(self, job: LoadJob) -> bool:
         if self._garbage_pages.isdisjoint(job.copy.page_ids):
             return False
         logger.warning("HiCache: load of %s reads pages whose store failed; recomputing",
@@ -316,7 +316,7 @@ class KVDataPath:
 
     # --- stores -----------------------------------------------------------------
 
-    def _store(self, copy: Copy, what: str) -> None:
+    def _store(self, copy: BlockCopy, what: str) -> None:
         try:
             self._store_on_stream(copy)
         except Exception:  # a failed store costs cache, never the worker
@@ -328,7 +328,7 @@ class KVDataPath:
             return
         self._garbage_pages.difference_update(copy.page_ids)
 
-    def _store_on_stream(self, copy: Copy) -> None:
+    def _store_on_stream(self, copy: BlockCopy) -> None:
         num_bytes = copy_bytes(self._transfer, copy.block_ids, self.pool.bytes_per_page)
         if self.stream is None:
             started = self._clock.start()
@@ -341,7 +341,7 @@ class KVDataPath:
             self._transfer.store(copy.block_ids, copy.page_ids)
             self._clock.stop(started, "store", num_bytes, self.stream)
 
-    def _mark_failed_stores(self, copy: Copy) -> None:
+    def _mark_failed_stores(self, copy: BlockCopy) -> None:
         self._garbage_pages.update(copy.page_ids)
         self._failed_store_pages.update(copy.page_ids)
 

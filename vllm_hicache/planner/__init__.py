@@ -8,7 +8,7 @@ and plots them when matplotlib is installed (``pip install
 inside ``plots``, imported on demand).
 
 - ``log_format``: the log's frames and records (the writer is
-  ``connector/access_log.py``);
+  ``scheduler/access_log.py``);
 - ``l1``: vLLM's prefix cache (L1), run once per log;
 - ``replay``: L2 (HiRadixTree) and L3 driven as the scheduler half drives
   them, once per size (``model``: its config, its result, the L3 LRU);

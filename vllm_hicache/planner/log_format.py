@@ -1,4 +1,4 @@
-"""The access log's on-disk format, shared by the writer (connector/access_log.py)
+"""The access log's on-disk format, shared by the writer (scheduler/access_log.py)
 and the planner. Pure module: stdlib and msgpack only.
 
 A log file is a magic line followed by frames::
@@ -86,7 +86,7 @@ class LogHeader:
     l3_capacity_bytes: int = 0
     # Bytes of one block in L3, all ranks' objects together (header included).
     l3_block_bytes: int = 0
-    # Fraction of requests logged (by their block 0, see connector/access_log.py).
+    # Fraction of requests logged (by their block 0, see scheduler/access_log.py).
     sample: float = 1.0
     # Unix time of t_ms = 0.
     started: float = 0.0

@@ -1,7 +1,7 @@
 """Replay an access log's steps (l1.py's ``l1_pass``) through L2 (the
 HiRadixTree with the configured policies) and L3 (an LRU of objects).
 
-It mirrors the scheduler half (connector/scheduler.py, l3_scheduler.py)
+It mirrors the scheduler half (scheduler/scheduler.py, l3/planner.py)
 scheduler step by scheduler step (the log says which step admitted each
 request, and before which step it arrived):
 
@@ -46,7 +46,8 @@ from vllm_hicache.planner.l1 import AdmitStep, ArriveStep, Chain, FinishStep, St
 from vllm_hicache.planner.log_format import Admit
 from vllm_hicache.planner.model import L3Store, ReplayConfig, ReplayResult
 from vllm_hicache.policy import make_eviction_policy
-from vllm_hicache.policy.write import WritePolicy
+from vllm_hicache.policy.prefetch import prefetch_inflight_cap
+from vllm_hicache.policy.write import WritePolicy, hit_counter_slots
 
 # A prefetch planned at step s is read during s + 1 and committed as its
 # output comes back: first usable by a request admitted at s + LAND_STEPS.
@@ -78,9 +79,9 @@ class Hierarchy:
         self.cfg = cfg
         self.tree = HiRadixTree(cfg.l2_pages, make_eviction_policy(cfg.eviction_policy),
                                 clock=itertools.count().__next__)
-        self.write = WritePolicy(cfg.write_policy, 4 * max(1, cfg.l2_pages))
+        self.write = WritePolicy(cfg.write_policy, hit_counter_slots(cfg.l2_pages))
         self.l3 = L3Store(cfg.l3_objects) if cfg.l3_objects != 0 else None
-        self.max_prefetch_pages = max(1, int(0.8 * (cfg.l2_pages - cfg.l1_blocks)))
+        self.max_prefetch_pages = prefetch_inflight_cap(cfg.l2_pages, cfg.l1_blocks)
         self._inflight_pages = 0
         self._lookups: list[_Lookup] = []
         self._prefetches: list[_Prefetch] = []
@@ -89,7 +90,7 @@ class Hierarchy:
         self._arrived: set[int] = set()
         # Requests decoding: seq -> (admission step, prompt tokens, final
         # chain, generation); each block is stored at the step that completes
-        # it (due step, generation, seq, block), as StorePlanner.advance does.
+        # it (due step, generation, seq, block), as L2StorePlanner.advance does.
         self._decoding: dict[int, tuple[int, int, Chain, int]] = {}
         self._decode_due: list[tuple[int, int, int, int]] = []
         # seq -> blocks [0, n) considered for a store (ReqState.num_planned).
@@ -192,7 +193,7 @@ class Hierarchy:
         for adm, hit_end in zip(batch, hit_ends):
             rec = adm.record
             # A request admitted again (after a preemption) considers only
-            # what it recomputes (StorePlanner.advance's lo).
+            # what it recomputes (L2StorePlanner.advance's lo).
             lo = min(self._planned[rec.seq], hit_end) if rec.seq in self._planned else 0
             locks += self.store(rec.chain, lo, -rec.priority)
             self._start_decode(rec, adm.final_chain)
@@ -272,7 +273,7 @@ class Hierarchy:
         self._arrived.discard(f.seq)
 
     def store(self, chain: Chain, lo: int, priority: int = 0) -> list[LockHandle]:
-        """StorePlanner.store_range of blocks [lo, len(chain)), then their backup;
+        """L2StorePlanner.store_range of blocks [lo, len(chain)), then their backup;
         returns the lock that pins what it stored (none if nothing)."""
         if not self.write.stores_on_compute or lo >= len(chain):
             return []

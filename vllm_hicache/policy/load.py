@@ -12,7 +12,7 @@ a loss). ``hicache_load_decision``:
   server runs; decline the hit (vLLM recomputes it) where loading is
   expected to be slower by more than ``LOAD_MARGIN``.
 
-Estimators (all pure, fed by the connector; ``connector/load_gate.py``):
+Estimators (all pure, fed by the connector; ``scheduler/load_gate.py``):
 
 - **Bandwidth per tier** (``BandwidthEstimate``): bytes and seconds of each
   copy kind as the workers report them every step (``transfer_bytes`` /

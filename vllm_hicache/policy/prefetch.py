@@ -16,6 +16,14 @@ Pure module: the L3 planner asks it, and keeps the lookups and deadlines.
 from __future__ import annotations
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# Share of the L2 pages beyond L1 that prefetches in flight may hold
+# (SGLang's cap): the rest keeps serving hits and stores meanwhile.
+PREFETCH_L2_SHARE = 0.8
+
+
+def prefetch_inflight_cap(l2_pages: int, l1_blocks: int) -> int:
+    """L2 pages prefetches may hold at once, at least one."""
+    return max(1, int(PREFETCH_L2_SHARE * (l2_pages - l1_blocks)))
 
 
 class PrefetchPolicy:

@@ -4,7 +4,7 @@
 - write_through_selective: a block once it has been hit at least twice
   (computed once and reused once, counted per request that uses it).
 - write_back: nothing on compute; a block is copied only when vLLM is about
-  to evict it from L1 (see connector/write_back.py).
+  to evict it from L1 (see scheduler/write_back.py).
 
 Hit counts for blocks not yet in L2 live in a bounded LRU table, so a long run
 cannot grow it without limit. Pure module: no torch, no vllm.
@@ -16,6 +16,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+# Uses a block needs under write_through_selective before it is stored.
+SELECTIVE_WRITE_HITS = 2
+# Blocks the hit counter remembers, per L2 page (the engine and the
+# capacity planner's replay size it alike).
+HIT_COUNTER_SLOTS_PER_PAGE = 4
+
+
+def hit_counter_slots(l2_pages: int) -> int:
+    """The hit counter's capacity for an L2 of ``l2_pages`` pages."""
+    return HIT_COUNTER_SLOTS_PER_PAGE * max(1, l2_pages)
 
 
 class HitCounter:
@@ -56,7 +66,7 @@ class WritePolicy:
                 f"unknown hicache_write_policy {name!r}; accepted: {', '.join(WRITE_POLICIES)}"
             )
         self.name = name
-        self.threshold = 2 if name == "write_through_selective" else 1
+        self.threshold = SELECTIVE_WRITE_HITS if name == "write_through_selective" else 1
         self._counter = HitCounter(counter_capacity) if self.threshold > 1 else None
 
     @property

@@ -69,7 +69,8 @@ SCRATCH_BYTES = 64 << 20
 # with ``page_states`` (see the module doc).
 _STATE_SUFFIX = {True: "#state", False: "#no-state"}
 # Threads that seal and open one batch's objects at once (codecs that release
-# the GIL: keyed BLAKE3), shared by every PageStore of the process.
+# the GIL: AES-GMAC and AES-GCM, storage/sealing.py), shared by every
+# PageStore of the process.
 _SEAL_THREADS = min(4, os.cpu_count() or 1)
 _seal_executor: ThreadPoolExecutor | None = None
 _seal_executor_lock = threading.Lock()

@@ -46,7 +46,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from vllm_hicache.storage import format as fmt
-from vllm_hicache.storage_secret import StorageSecret
+from vllm_hicache.storage_secret import LABEL_AEAD, LABEL_GMAC, StorageSecret
 
 _TAG = fmt.CHECK_BYTES
 
@@ -102,7 +102,7 @@ class MacCodec(ObjectCodec):
     releases_gil = True  # OpenSSL's GCM runs without it
 
     def __init__(self, secret: StorageSecret) -> None:
-        self._gcm = AESGCM(secret.derive("gmac"))
+        self._gcm = AESGCM(secret.derive(LABEL_GMAC))
 
     def _tag(self, nonce: bytes, fields: bytes, payload: np.ndarray) -> bytes:
         # encrypt() returns the fields' ciphertext, then the tag: keep the tag.
@@ -128,7 +128,7 @@ class AeadCodec(ObjectCodec):
     name = "aead"
 
     def __init__(self, secret: StorageSecret) -> None:
-        self._aead = AESGCM(secret.derive("aead"))
+        self._aead = AESGCM(secret.derive(LABEL_AEAD))
         # Older cryptography releases lack the *_into calls: one copy more.
         self._into = hasattr(self._aead, "encrypt_into")
 

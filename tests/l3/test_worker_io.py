@@ -1,0 +1,173 @@
+"""StorageIO shutdown: queued backups reach L3 within a bounded drain,
+queued prefetches are dropped, and a stuck backend cannot hang shutdown."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from tests.connector.mem_backend import STORES, MemBackend
+from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
+from vllm_hicache.host import HostKVPool
+from vllm_hicache.keys import KeyNamespace
+from vllm_hicache.l3 import worker_io as l3_worker
+from vllm_hicache.l3.worker_io import StorageIO
+from vllm_hicache.storage import StorageContext
+from vllm_hicache.storage.format import HEADER_BYTES
+from vllm_hicache.storage.pages import PageStore
+
+NUM_PAGES = 16
+# "Forever" for a blocked backend call, yet finite: a regression that waits
+# on it fails the test instead of hanging the run.
+GATE_TIMEOUT_S = 30.0
+LOGGER = "vllm_hicache.l3.worker_io"
+
+
+class SlowBackend(MemBackend):
+    """MemBackend whose puts take ``put_delay_s`` and wait for ``put_gate``;
+    gets wait for ``get_gate`` and are counted."""
+
+    def __init__(self, options, ctx) -> None:
+        super().__init__(options, ctx)
+        self.put_delay_s = 0.0
+        self.put_gate: threading.Event | None = None
+        self.get_gate: threading.Event | None = None
+        self.num_gets = 0
+
+    def put(self, keys, sources):
+        if self.put_gate is not None:
+            self.put_gate.wait(GATE_TIMEOUT_S)
+        time.sleep(self.put_delay_s)
+        return super().put(keys, sources)
+
+    def get(self, keys, targets):
+        self.num_gets += 1
+        if self.get_gate is not None:
+            self.get_gate.wait(GATE_TIMEOUT_S)
+        return super().get(keys, targets)
+
+
+@pytest.fixture
+def store():
+    pool = HostKVPool(NUM_PAGES, 2, 2, 4, 2, 8, torch.float32, "page_first", pin_memory=False)
+    pool.buffer.copy_(torch.randn_like(pool.buffer))
+    name = f"l3-worker-{uuid.uuid4().hex}"
+    ctx = StorageContext("worker", 0, 1, HEADER_BYTES + pool.bytes_per_page)
+    backend = SlowBackend({"store": name}, ctx)
+    ns = KeyNamespace("test/model", "float32", "page_first", 4, 1, 0)
+    yield PageStore(backend, pool, ns)
+    # Whatever a test blocked must be able to finish, or interpreter exit
+    # would wait on the pool thread stuck in it.
+    for gate in (backend.put_gate, backend.get_gate):
+        if gate is not None:
+            gate.set()
+    STORES.pop(name, None)
+
+
+def backup(op_id: int, page: int) -> BackupJob:
+    return BackupJob(op_id, (bytes([page]) * 8,), (page,))
+
+
+def landed(pages: PageStore, page: int) -> bool:
+    """Was ``page`` written to L3 intact? Read it into a spare page and compare."""
+    spare = NUM_PAGES - 1
+    pages.pool.buffer[spare].zero_()
+    if pages.read([bytes([page]) * 8], [spare]) != 1:
+        return False
+    return torch.equal(pages.pool.read_pages([page]), pages.pool.read_pages([spare]))
+
+
+def test_queued_backups_drain_at_shutdown(store, caplog):
+    store.backend.put_delay_s = 0.2
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    for page in range(4):
+        io.submit_backup(backup(page, page))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        io.shutdown()
+
+    assert [page for page in range(4) if not landed(store, page)] == []
+    assert "drained 4 backups" in caplog.text
+    assert "abandoned" not in caplog.text
+    # Every drained backup is still acknowledged.
+    assert io.poll()[1] == {0, 1, 2, 3}
+
+
+def test_stuck_backend_cannot_hang_shutdown(store, caplog):
+    store.backend.put_gate = threading.Event()  # never set during the test
+    drain_timeout_s = 0.5
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1,
+                   drain_timeout_s=drain_timeout_s)
+    for page in range(3):
+        io.submit_backup(backup(page, page))
+    start_s = time.monotonic()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        io.shutdown()
+    elapsed_s = time.monotonic() - start_s
+
+    # Bounded: the put never returns, yet shutdown does (slack for a busy CI host).
+    assert drain_timeout_s <= elapsed_s < drain_timeout_s + 3.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("abandoned 3 of 3" in m for m in warnings), warnings
+
+
+def test_queued_prefetches_are_cancelled_at_shutdown(store, caplog):
+    gate = threading.Event()
+    store.backend.put_gate = gate
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    io.submit_backup(backup(0, 0))  # occupies the only thread until the gate opens
+    io.submit_prefetch(PrefetchJob(10, (bytes([0]) * 8,), (8,)))
+    io.submit_prefetch(PrefetchJob(11, (bytes([1]) * 8,), (9,)))
+    io.submit_backup(backup(1, 1))
+    threading.Timer(0.3, gate.set).start()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        io.shutdown()
+
+    assert store.backend.num_gets == 0
+    assert landed(store, 0) and landed(store, 1)
+    assert "cancelled 2 queued prefetches" in caplog.text
+
+
+def test_running_prefetch_stops_at_next_batch(store, monkeypatch):
+    monkeypatch.setattr(l3_worker, "BATCH_PAGES", 2)
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    hashes = tuple(bytes([p]) * 8 for p in range(4))
+    for page in range(4):
+        io.submit_backup(backup(page, page))
+    assert io.wait_idle(10)
+    gate = threading.Event()
+    store.backend.get_gate = gate
+    io.submit_prefetch(PrefetchJob(5, hashes, (8, 9, 10, 11)))
+    deadline_s = time.monotonic() + 10
+    while store.backend.num_gets == 0 and time.monotonic() < deadline_s:
+        time.sleep(0.005)  # until the first batch is inside the backend
+    start_s = time.monotonic()
+    io.shutdown()
+    assert time.monotonic() - start_s < 5.0  # shutdown does not wait for prefetches
+    gate.set()
+
+    assert io.wait_idle(10)
+    assert store.backend.num_gets == 1
+    assert io.poll()[0] == {5: PrefetchProgress(2, True)}
+
+
+def test_backup_then_prefetch_carries_page_states(store, monkeypatch):
+    """A model with a state group: each backed-up page's state flag comes back
+    with the prefetch, per page, across batches."""
+    monkeypatch.setattr(l3_worker, "BATCH_PAGES", 2)
+    store.page_states = True
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    try:
+        hashes = tuple(bytes([p]) * 8 for p in range(5))
+        io.submit_backup(BackupJob(1, hashes, (0, 1, 2, 3, 4),
+                                   (False, True, False, False, True)))
+        assert io.wait_idle(10)
+        io.submit_prefetch(PrefetchJob(2, hashes, (8, 9, 10, 11, 12)))
+        assert io.wait_idle(10)
+        assert io.poll()[0] == {2: PrefetchProgress(5, True, frozenset({1, 4}))}
+    finally:
+        io.shutdown()
