@@ -18,8 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +46,7 @@ from vllm_hicache.connector.pd import pd_role
 from vllm_hicache.connector.scheduler import HiCacheScheduler
 from vllm_hicache.connector.worker import HiCacheWorker
 from vllm_hicache.kernels import kernel_io_missing
+from vllm_hicache.redaction import redacted  # noqa: F401 - shown options; re-exported
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,29 +114,6 @@ _HIT_SOURCE = {"L2": CacheHitSource.HOST, "L3": CacheHitSource.DISK}
 
 
 # --- start-up logging ------------------------------------------------------
-
-# Option names whose values never reach a log line (matched case-insensitively
-# anywhere in the name, at any depth of the backend options).
-_SECRET_NAME = re.compile(
-    r"pass|secret|token|credential|auth|private|api_?key|access_?key|(^|_)key$", re.I
-)
-# user:password@ in a URL-like value.
-_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
-_REDACTED = "<redacted>"
-
-
-def redacted(value: Any) -> Any:
-    """``value`` (backend options) with secrets replaced, for logs."""
-    if isinstance(value, Mapping):
-        return {
-            k: _REDACTED if _SECRET_NAME.search(str(k)) else redacted(v) for k, v in value.items()
-        }
-    if isinstance(value, (list, tuple)):
-        return [redacted(v) for v in value]
-    if isinstance(value, str):
-        return _URL_USERINFO.sub(_REDACTED + "@", value)
-    return value
-
 
 def _size(num_bytes: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
