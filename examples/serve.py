@@ -6,7 +6,7 @@ Starts ``vllm-hicache serve`` (vLLM's ``vllm serve``; vllm_hicache/cli.py)
 on 127.0.0.1 with L2 (twice vLLM's KV cache) and the ``file`` L3 backend in
 ``.cache/serve-l3``, and the admin API (runtime attach/detach of L3) on
 127.0.0.1 with a key made at start into ``.cache/admin-api-<port>.key``
-(mode 0600; removed when the server stops). vLLM's output goes to
+(mode 0600; removed once the server has stopped). vLLM's output goes to
 ``.cache/serve.log`` (``VERBOSE=1`` shows it here). Once the server answers,
 it prints a ready-to-paste ``curl`` for a completion, the ``/metrics`` URL and
 the admin API's, with ``curl`` commands that send its key. Ctrl-C (SIGINT)
@@ -130,8 +130,8 @@ def main() -> int:
     print(f"Starting vllm-hicache serve {args.model} on {HOST}:{args.port} "
           f"(L3: {args.l3_dir}; log: {'here' if verbose else args.log}) ...", flush=True)
     # Same process group: a Ctrl-C in the terminal reaches vLLM too.
-    argv = server_argv(args.model, args.port, args.admin_port, args.l3_dir,
-                       args.admin_key_dir.resolve())
+    key_dir = args.admin_key_dir.resolve()
+    argv = server_argv(args.model, args.port, args.admin_port, args.l3_dir, key_dir)
     server = subprocess.Popen(argv,
                               stdout=log, stderr=subprocess.STDOUT if log else None, env=env,
                               cwd=REPO)
@@ -167,8 +167,7 @@ def main() -> int:
             f"  {completion_curl(args.port)}\n\n"
             f"Metrics:   http://{HOST}:{args.port}/metrics\n"
             f"Admin API: {admin}\n"
-            + "".join(f"  {curl}\n" for curl in admin_curls(args.admin_port,
-                                                              args.admin_key_dir.resolve()))
+            + "".join(f"  {curl}\n" for curl in admin_curls(args.admin_port, key_dir))
             + "\n"
             "Ctrl-C stops the server.", flush=True)
     try:
@@ -182,6 +181,9 @@ def main() -> int:
         server.kill()
         server.wait()
         return 1
+    finally:
+        # vLLM may kill its engine process before the connector removes it.
+        admin_key_file(str(key_dir), args.admin_port).unlink(missing_ok=True)
     if stopping:
         print(f"Stopped (exit status {code}).", flush=True)
         return 0 if code in (0, -signal.SIGINT, -signal.SIGTERM) else 1

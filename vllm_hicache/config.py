@@ -82,7 +82,7 @@ class HiCacheConfig:
     admin_api_host: str = "127.0.0.1"
     # Bearer token every admin call must carry ("Authorization: Bearer <key>"):
     # "auto" = a random one made at each start and written to a file only
-    # its owner can read (admin_key_file; removed at shutdown); the key
+    # its owner can read (admin_key_file; admin_key.py); the key
     # itself or "@/path/to/file" holding it; "none" = no key (loopback only).
     # Parsed: the key, ADMIN_KEY_AUTO, or "" for none. Never shown.
     admin_api_key: str = dataclasses.field(default=ADMIN_KEY_AUTO, repr=False)

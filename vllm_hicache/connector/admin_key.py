@@ -5,8 +5,10 @@ in ``admin_api_key_dir``) holds the key, 43 URL-safe characters (256 random
 bits), and a newline, so ``curl -H "Authorization: Bearer $(cat FILE)"``
 works. It is created with mode 0600 in a directory that only its owner can
 write (made 0700 when missing), under a temporary name and renamed into
-place, so a reader never sees half a key; a new start replaces it, and
-shutdown removes it. Whoever can read the file can call the API: the user
+place, so a reader never sees half a key; a new start replaces it. A clean
+shutdown of the connector removes it; vLLM may kill the engine process at
+exit instead, leaving the key of a server that is gone (useless, replaced at
+the next start). Whoever can read the file can call the API: the user
 running vLLM, as with Jupyter's token.
 """
 
