@@ -64,8 +64,14 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hicache import io_threads
-from vllm_hicache.config import ADMIN_KEY_AUTO, admin_key_file, is_loopback
-from vllm_hicache.connector.admin_guard import AdminPolicy
+from vllm_hicache.config import ADMIN_KEY_AUTO, admin_key_file
+from vllm_hicache.connector.admin_guard import (
+    AdminPolicy,
+    allowed_hosts,
+    content_type_problem,
+    json_depth,
+    origin_problem,
+)
 from vllm_hicache.connector.admin_key import remove_key_file, write_key_file
 from vllm_hicache.connector.l3_attach import AttachSpec, StorageControl
 from vllm_hicache.policy.write import WRITE_POLICIES
@@ -183,66 +189,6 @@ def _authorized(header: str, api_key: str) -> bool:
     scheme, _, token = header.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(
         token.strip().encode(), api_key.encode())
-
-
-def allowed_hosts(host: str, port: int) -> frozenset[str] | None:
-    """The ``Host`` headers a call to an API bound to ``host:port`` may
-    carry: on loopback the bound address and ``localhost``; None (any) off
-    loopback, where a key is always required (config._check_admin_bind)."""
-    if not is_loopback(host):
-        return None
-    names = {"localhost"}
-    names |= {"127.0.0.1", "[::1]"} if host == "localhost" else {
-        f"[{host}]" if ":" in host else host}
-    return frozenset(f"{name}:{port}" for name in names)
-
-
-def origin_problem(headers: Any, hosts: frozenset[str] | None) -> tuple[str, str]:
-    """(header, why) when a call's Host or Origin is foreign, else ("", "")."""
-    host = headers.get("host", "").lower()
-    if hosts is not None and host not in hosts:
-        return "Host", (f"Host {host!r} is not this admin API's address (accepted: "
-                        f"{', '.join(sorted(hosts))}); a page of another site cannot call it")
-    origin = headers.get("origin")
-    if origin is not None and origin.lower() != f"http://{host}":
-        return "Origin", (f"Origin {origin!r} is not this admin API's (http://{host}); "
-                          "cross-site calls are refused")
-    return "", ""
-
-
-def content_type_problem(method: str, content_type: str | None) -> str:
-    """Why a call's Content-Type is refused ("" when it is not)."""
-    if method not in ("POST", "PUT", "DELETE") or (method == "DELETE" and content_type is None):
-        return ""
-    if (content_type or "").partition(";")[0].strip().lower() == "application/json":
-        return ""
-    return (f"{method} needs the header Content-Type: application/json (got "
-            f"{content_type!r})")
-
-
-def json_depth(raw: bytes, limit: int) -> int:
-    """How deep ``raw``'s arrays and objects nest, counted up to ``limit + 1``."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):  # [ {
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > limit:
-                    break
-        elif byte in (0x5D, 0x7D):  # ] }
-            depth -= 1
-    return deepest
 
 
 def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float = ENGINE_WAIT_S,

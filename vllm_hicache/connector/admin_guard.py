@@ -1,10 +1,17 @@
-"""What an admin API client may make the engine read or import.
+"""Which calls the admin API takes, and what their bodies may name.
 
-A client of the admin API is not the operator: options it sends must not
-turn the engine into a reader of local files (a Redis ``password`` of
-``@/home/u/.ssh/id_ed25519`` is sent in ``AUTH`` to a server the client
-chose) or an importer of arbitrary modules (backend ``dynamic``).
+Who may call (admin_api.py's middleware): a page of another
+site must not be able to drive a loopback API from a browser. Bound to
+loopback, ``Host`` must name the bound address or ``localhost`` with the port
+(a DNS-rebound name is refused); an ``Origin`` header must be the same origin;
+POST and PUT need ``Content-Type: application/json`` (which a browser does
+not send cross-site without a preflight that this API never grants); and a
+body nests at most a few levels, checked before the JSON parser recurses.
 
+What a body may name: a client of the admin API is not the operator; options
+it sends must not turn the engine into a reader of local files (a Redis
+``password`` of ``@/home/u/.ssh/id_ed25519`` is sent in ``AUTH`` to a server
+the client chose) or an importer of arbitrary modules (backend ``dynamic``).
 Invariant, checked on an attach body before anything else parses it:
 
 - a file is named (an ``@/path`` string anywhere in the options, at any
@@ -25,6 +32,73 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from vllm_hicache.config import is_loopback
+
+# --- who may call ------------------------------------------------------------------
+
+
+def allowed_hosts(host: str, port: int) -> frozenset[str] | None:
+    """The ``Host`` headers a call to an API bound to ``host:port`` may
+    carry: on loopback the bound address and ``localhost``; None (any) off
+    loopback, where a key is always required (config._check_admin_bind)."""
+    if not is_loopback(host):
+        return None
+    names = {"localhost"}
+    names |= {"127.0.0.1", "[::1]"} if host == "localhost" else {
+        f"[{host}]" if ":" in host else host}
+    return frozenset(f"{name}:{port}" for name in names)
+
+
+def origin_problem(headers: Any, hosts: frozenset[str] | None) -> tuple[str, str]:
+    """(header, why) when a call's Host or Origin is foreign, else ("", "")."""
+    host = headers.get("host", "").lower()
+    if hosts is not None and host not in hosts:
+        return "Host", (f"Host {host!r} is not this admin API's address (accepted: "
+                        f"{', '.join(sorted(hosts))}); a page of another site cannot call it")
+    origin = headers.get("origin")
+    if origin is not None and origin.lower() != f"http://{host}":
+        return "Origin", (f"Origin {origin!r} is not this admin API's (http://{host}); "
+                          "cross-site calls are refused")
+    return "", ""
+
+
+def content_type_problem(method: str, content_type: str | None) -> str:
+    """Why a call's Content-Type is refused ("" when it is not)."""
+    if method not in ("POST", "PUT", "DELETE") or (method == "DELETE" and content_type is None):
+        return ""
+    if (content_type or "").partition(";")[0].strip().lower() == "application/json":
+        return ""
+    return (f"{method} needs the header Content-Type: application/json (got "
+            f"{content_type!r})")
+
+
+def json_depth(raw: bytes, limit: int) -> int:
+    """How deep ``raw``'s arrays and objects nest, counted up to ``limit + 1``."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return deepest
+
+
+# --- what a body may name --------------------------------------------------------
 
 # Options whose value is the path of a file a backend reads (redis TLS).
 _FILE_OPTION_SUFFIX = "_file"
