@@ -5,11 +5,13 @@
 Starts ``vllm-hicache serve`` (vLLM's ``vllm serve``; vllm_hicache/cli.py)
 on 127.0.0.1 with L2 (twice vLLM's KV cache) and the ``file`` L3 backend in
 ``.cache/serve-l3``, and the admin API (runtime attach/detach of L3) on
-127.0.0.1 without a key (loopback only). vLLM's output goes to
+127.0.0.1 with a key made at start into ``.cache/admin-api-<port>.key``
+(mode 0600; removed once the server has stopped). vLLM's output goes to
 ``.cache/serve.log`` (``VERBOSE=1`` shows it here). Once the server answers,
 it prints a ready-to-paste ``curl`` for a completion, the ``/metrics`` URL and
-the admin API's. Ctrl-C (SIGINT) or SIGTERM stops it: the signal is passed to
-vLLM, which shuts its processes down; exit status 0 when it did.
+the admin API's, with ``curl`` commands that send its key. Ctrl-C (SIGINT)
+or SIGTERM stops it: the signal is passed to vLLM, which shuts its processes
+down; exit status 0 when it did.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from vllm_hicache.config import admin_key_file
+
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 300.0
@@ -38,7 +42,7 @@ PROMPT = ("HiCache keeps the KV cache of prompts like this one in host memory an
           "and the sooner the first token of an answer arrives")
 
 
-def kv_transfer_config(l3_dir: Path, admin_port: int) -> dict:
+def kv_transfer_config(l3_dir: Path, admin_port: int, key_dir: Path) -> dict:
     return {
         "kv_connector": "HiCacheConnector",
         "kv_role": "kv_both",
@@ -50,11 +54,14 @@ def kv_transfer_config(l3_dir: Path, admin_port: int) -> dict:
             "hicache_storage_backend_extra_config": {"path": str(l3_dir)},
             "admin_api_host": HOST,
             "admin_api_port": admin_port,
+            # admin_api_key "auto" (the default) writes the key here.
+            "admin_api_key_dir": str(key_dir),
         },
     }
 
 
-def server_argv(model: Path, port: int, admin_port: int, l3_dir: Path) -> list[str]:
+def server_argv(model: Path, port: int, admin_port: int, l3_dir: Path,
+                key_dir: Path) -> list[str]:
     cli = Path(sys.executable).with_name("vllm-hicache")
     return [
         str(cli), "serve", str(model), "--served-model-name", SERVED_NAME,
@@ -63,7 +70,7 @@ def server_argv(model: Path, port: int, admin_port: int, l3_dir: Path) -> list[s
         "--block-size", "32",
         "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20),
         "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-        "--kv-transfer-config", json.dumps(kv_transfer_config(l3_dir, admin_port)),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(l3_dir, admin_port, key_dir)),
     ]
 
 
@@ -74,6 +81,15 @@ def completion_curl(port: int) -> str:
                        "temperature": 0})
     return (f"curl -s http://{HOST}:{port}/v1/completions "
             f"-H 'Content-Type: application/json' -d {shlex.quote(body)}")
+
+
+def admin_curls(admin_port: int, key_dir: Path) -> list[str]:
+    """Ready-to-paste admin calls, each sending the key file's key."""
+    url = f"http://{HOST}:{admin_port}/hicache/storage-backend"
+    key_file = shlex.quote(str(admin_key_file(str(key_dir), admin_port)))
+    key = f'-H "Authorization: Bearer $(cat {key_file})"'
+    return [f"curl -s {key} {url}            # backend, policies, L2 pages, counters",
+            f"curl -s -X DELETE {key} {url}  # detach L3 (stored objects stay)"]
 
 
 def _ready(port: int) -> bool:
@@ -99,6 +115,8 @@ def main() -> int:
     parser.add_argument("--admin-port", type=int, default=8001)
     parser.add_argument("--l3-dir", type=Path, default=REPO / ".cache" / "serve-l3")
     parser.add_argument("--log", type=Path, default=REPO / ".cache" / "serve.log")
+    parser.add_argument("--admin-key-dir", type=Path, default=REPO / ".cache",
+                        help="where the admin API's key file is made (admin_api_key_dir)")
     args = parser.parse_args()
 
     args.l3_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +130,9 @@ def main() -> int:
     print(f"Starting vllm-hicache serve {args.model} on {HOST}:{args.port} "
           f"(L3: {args.l3_dir}; log: {'here' if verbose else args.log}) ...", flush=True)
     # Same process group: a Ctrl-C in the terminal reaches vLLM too.
-    server = subprocess.Popen(server_argv(args.model, args.port, args.admin_port, args.l3_dir),
+    key_dir = args.admin_key_dir.resolve()
+    argv = server_argv(args.model, args.port, args.admin_port, args.l3_dir, key_dir)
+    server = subprocess.Popen(argv,
                               stdout=log, stderr=subprocess.STDOUT if log else None, env=env,
                               cwd=REPO)
     stopping = False
@@ -147,8 +167,8 @@ def main() -> int:
             f"  {completion_curl(args.port)}\n\n"
             f"Metrics:   http://{HOST}:{args.port}/metrics\n"
             f"Admin API: {admin}\n"
-            f"  curl -s {admin}            # backend, policies, L2 pages, counters\n"
-            f"  curl -s -X DELETE {admin}  # detach L3 (stored objects stay)\n\n"
+            + "".join(f"  {curl}\n" for curl in admin_curls(args.admin_port, key_dir))
+            + "\n"
             "Ctrl-C stops the server.", flush=True)
     try:
         server.wait()
@@ -161,6 +181,9 @@ def main() -> int:
         server.kill()
         server.wait()
         return 1
+    finally:
+        # vLLM may kill its engine process before the connector removes it.
+        admin_key_file(str(key_dir), args.admin_port).unlink(missing_ok=True)
     if stopping:
         print(f"Stopped (exit status {code}).", flush=True)
         return 0 if code in (0, -signal.SIGINT, -signal.SIGTERM) else 1

@@ -102,3 +102,17 @@ def test_kernel_without_cuda_falls_back_to_direct(caplog):
     # page_first needs the kernel backend; without it the layout follows.
     assert resolved.hicache_mem_layout == "page_first_direct"
     assert any("needs CUDA" in r.message for r in caplog.records)
+
+
+def test_redacted_strips_url_and_query_secrets():
+    from vllm_hicache.redaction import redacted
+
+    shown = redacted({"url": "redis://alice:pw1@h:6379/0?password=pw2&db=1;token=pw3",
+                      "nested": [{"Password": "pw4"}, "https://x/?sig=1&api_key=pw5#f"],
+                      "ok": 3})
+    text = repr(shown)
+    for secret in ("pw1", "pw2", "pw3", "pw4", "pw5"):
+        assert secret not in text
+    assert shown["ok"] == 3 and "db=1" in text and "sig=1" in text and "alice" not in text
+    assert redacted("error: cannot reach redis://h:1/0?password=hunter2 (refused)") == \
+        "error: cannot reach redis://h:1/0?password=<redacted> (refused)"

@@ -220,9 +220,10 @@ def model_config(**fields) -> SimpleNamespace:
 
 def ns_of(config, **kwargs) -> KeyNamespace:
     """The namespace l3_setup.namespace builds for ``config``."""
+    from vllm_hicache.connector.l3_setup import namespace
+
     from tests.conftest import make_config
     from vllm_hicache.connector.geometry import KVGeometry
-    from vllm_hicache.connector.l3_setup import namespace
 
     vllm_config = SimpleNamespace(
         model_config=config,

@@ -94,7 +94,7 @@ def test_secret_inline_and_from_file(tmp_path):
     ({"storage_secret": 12345678901234567890}, "storage_secret: expected a non-empty string"),
     ({"storage_secret": ""}, "storage_secret: expected a non-empty string"),
     ({"storage_secret": "@/no/such/file"},
-     "storage_secret: cannot read the secret file '/no/such/file'"),
+     "storage_secret: cannot read the file '/no/such/file'"),
     ({"storage_encrypt": True}, "storage_encrypt=true needs storage_secret"),
     ({"storage_secret": SECRET, "storage_encrypt": "yes"}, "invalid storage_encrypt='yes'"),
 ])
@@ -130,3 +130,43 @@ def test_secret_never_shown_in_repr_or_errors():
         create_backend("file", {**st.backend_options, "no_such_option": 1},
                        StorageContext("worker", 0, 1, 128))
     assert SECRET not in str(err.value)
+
+
+def test_secret_and_config_files_are_bounded_regular_files(tmp_path):
+    """storage_secret and an @file extra config read no device, FIFO or large
+    file: a clear error at once, naming the option and the limit."""
+    import os
+    import time
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"path": "/x" * 40_000}))
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    start = time.monotonic()
+    for path, problem in ((zero, "not a regular file"), (fifo, "not a regular file"),
+                          (big, "larger than the limit of 65536 bytes")):
+        with pytest.raises(ValueError, match=f"^invalid storage_secret: .*'{path}': {problem}"):
+            security(storage_secret=f"@{path}")
+        with pytest.raises(ValueError, match=f"^invalid hicache_storage_backend_extra_config "
+                                             f"'@{path}': .*{problem}"):
+            make_config(hicache_storage_backend="file",
+                        hicache_storage_backend_extra_config=f"@{path}")
+    assert time.monotonic() - start < 5
+
+
+def test_inline_backend_secrets_are_redacted_in_reprs():
+    """repr(StorageConfig) and repr(HiCacheConfig) show a backend's options
+    with every secret-named value, at any depth, and URL secrets redacted."""
+    cfg = make_config(hicache_storage_backend="nixl", hicache_storage_backend_extra_config={
+        "plugin": "OBJ", "bucket": "b", "access_key": "AKIA-ACCESS-0001",
+        "secret_key": "S3-SECRET-0002", "obj_backend_params": {"session_token": "TOK-0003"},
+        "endpoint_override": "https://u:PW-0004@s3.local/?x=1&auth_token=TOK-0005",
+        "storage_secret": SECRET})
+    for text in (repr(cfg), repr(cfg.storage), str(cfg)):
+        for secret in ("AKIA-ACCESS-0001", "S3-SECRET-0002", "TOK-0003", "PW-0004", "TOK-0005",
+                       SECRET):
+            assert secret not in text, (secret, text)
+        assert "bucket': 'b'" in text and "x=1" in text and "<redacted>" in text
+    assert dict(cfg.storage.backend_options)["secret_key"] == "S3-SECRET-0002"  # still usable

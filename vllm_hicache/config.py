@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from vllm_hicache.kernels.io_backends import IO_BACKENDS
 from vllm_hicache.policy.eviction import EVICTION_POLICIES
 from vllm_hicache.policy.load import LOAD_DECISIONS
 from vllm_hicache.policy.write import WRITE_POLICIES
+from vllm_hicache.storage.options import read_option_file
 from vllm_hicache.storage_config import STORAGE_KEYS, StorageConfig, parse_storage
 
 logger = logging.getLogger(__name__)
@@ -29,6 +32,9 @@ logger = logging.getLogger(__name__)
 LOAD_MODES = ("layerwise", "async")
 
 _GB = 1e9
+# admin_api_key values: a key made at start, and no key at all.
+ADMIN_KEY_AUTO = "auto"
+ADMIN_KEY_NONE = "none"
 
 
 @dataclass(frozen=True)
@@ -72,12 +78,24 @@ class HiCacheConfig:
     # backend), served by each engine next to the scheduler half. Port 0
     # (the default) = off; under data parallelism engine i listens on port + i.
     admin_api_port: int = 0
-    # Address it binds; anything but loopback needs admin_api_key.
+    # Address it binds; anything but loopback needs a key.
     admin_api_host: str = "127.0.0.1"
-    # Bearer token every admin call must carry ("Authorization: Bearer <key>"),
-    # or "@/path/to/file" holding it; "" = no token (loopback only). The key
-    # itself is kept here, never shown.
-    admin_api_key: str = dataclasses.field(default="", repr=False)
+    # Bearer token every admin call must carry ("Authorization: Bearer <key>"):
+    # "auto" = a random one made at each start and written to a file only
+    # its owner can read (admin_key_file; admin_key.py); the key
+    # itself or "@/path/to/file" holding it; "none" = no key (loopback only).
+    # Parsed: the key, ADMIN_KEY_AUTO, or "" for none. Never shown.
+    admin_api_key: str = dataclasses.field(default=ADMIN_KEY_AUTO, repr=False)
+    # Where admin_api_key="auto" writes admin-api-<port>.key; "" = the
+    # default (admin_key_file). Only with admin_api_key="auto".
+    admin_api_key_dir: str = ""
+    # Directories whose files an admin API attach may name ("@/path" values,
+    # tls_*_file options): the resolved real path must lie inside one.
+    # Empty = a client can name no file at all.
+    admin_api_file_dirs: tuple[str, ...] = ()
+    # Modules an admin API attach of backend "dynamic" may import
+    # (module_path, exactly). Empty = "dynamic" is refused over the API.
+    admin_api_dynamic_modules: tuple[str, ...] = ()
     # Access log for the capacity planner (README "Capacity planning"): the
     # file the scheduler half writes, per request, its arrival time, block
     # hash chain (8-byte prefixes), prompt tokens and hit tokens by tier (no
@@ -196,21 +214,27 @@ _ADMIN_KEY_MIN_CHARS = 16
 
 
 def _parse_admin_key(value: Any) -> str:
-    """The key itself; ``@path`` reads it from a file (stripped). Errors
-    name the file, never the key."""
-    if not isinstance(value, str):
-        raise ValueError("invalid admin_api_key; expected a string or @/path/to/file")
+    """The key itself, ADMIN_KEY_AUTO, or "" for "none"; ``@path`` reads the
+    key from a file (stripped). Errors name the file, never the key."""
+    accepted = (f"expected {ADMIN_KEY_AUTO!r}, {ADMIN_KEY_NONE!r}, the key or "
+                "@/path/to/file holding it")
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"invalid admin_api_key; {accepted}")
+    if value == ADMIN_KEY_AUTO:
+        return value
+    if value == ADMIN_KEY_NONE:
+        return ""
     if value.startswith("@"):
         try:
-            key = Path(value[1:]).read_text().strip()
-        except OSError as err:
-            raise ValueError(
-                f"invalid admin_api_key={value!r}: cannot read it ({err.strerror})"
-            ) from None
+            key = read_option_file(value[1:]).decode("utf-8").strip()
+        except UnicodeError:
+            raise ValueError(f"invalid admin_api_key={value!r}: not UTF-8 text") from None
+        except ValueError as err:
+            raise ValueError(f"invalid admin_api_key={value!r}: {err}") from None
         where = f"in {value[1:]!r}"
     else:
         key, where = value, "given"
-    if value and (len(key) < _ADMIN_KEY_MIN_CHARS or not key.isprintable() or " " in key):
+    if len(key) < _ADMIN_KEY_MIN_CHARS or not key.isprintable() or " " in key:
         raise ValueError(
             f"invalid admin_api_key {where}; expected at least {_ADMIN_KEY_MIN_CHARS} "
             "printable characters without spaces"
@@ -218,11 +242,59 @@ def _parse_admin_key(value: Any) -> str:
     return key
 
 
+def _parse_absolute_dir(name: str, value: Any) -> str:
+    path = os.path.expanduser(value) if isinstance(value, str) else ""
+    if not os.path.isabs(path) or not path.isprintable():
+        raise ValueError(f"invalid {name} entry {value!r}; expected an absolute directory path")
+    return os.path.normpath(path)
+
+
+def _parse_key_dir(value: Any) -> str:
+    return "" if value == "" else _parse_absolute_dir("admin_api_key_dir", value)
+
+
+def _parse_file_dirs(value: Any) -> tuple[str, ...]:
+    """Real paths (symbolic links resolved), as the files named are checked."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"invalid admin_api_file_dirs={value!r}; expected a list of absolute "
+                         "directory paths, e.g. [\"/etc/hicache\"]")
+    dirs = tuple(os.path.realpath(_parse_absolute_dir("admin_api_file_dirs", v)) for v in value)
+    if os.sep in dirs:
+        raise ValueError("invalid admin_api_file_dirs: '/' would let a client name any file; "
+                         "list the directories holding the secrets to allow")
+    return dirs
+
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _parse_dynamic_modules(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, str) and _MODULE_NAME.match(v) for v in value):
+        raise ValueError(f"invalid admin_api_dynamic_modules={value!r}; expected a list of "
+                         "module names, e.g. [\"my_pkg.my_backend\"]")
+    return tuple(value)
+
+
 _ADMIN_PARSERS: dict[str, Callable[[Any], object]] = {
     "admin_api_port": _parse_admin_port,
     "admin_api_host": _parse_admin_host,
     "admin_api_key": _parse_admin_key,
+    "admin_api_key_dir": _parse_key_dir,
+    "admin_api_file_dirs": _parse_file_dirs,
+    "admin_api_dynamic_modules": _parse_dynamic_modules,
 }
+
+
+def admin_key_file(key_dir: str, port: int) -> Path:
+    """Where admin_api_key="auto" writes the key of the admin API on
+    ``port``: ``key_dir``, else $XDG_RUNTIME_DIR/vllm_hicache (a per-user
+    tmpfs), else ~/.cache/vllm_hicache."""
+    if not key_dir:
+        runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+        key_dir = (os.path.join(runtime, "vllm_hicache") if os.path.isabs(runtime)
+                   else os.path.expanduser("~/.cache/vllm_hicache"))
+    return Path(key_dir) / f"admin-api-{port}.key"
 
 
 def _parse_access_log(value: Any) -> str:
@@ -261,12 +333,23 @@ def _check_admin_bind(values: Mapping[str, Any]) -> None:
     """The admin API can attach, detach and clear L3: off loopback it must
     not be reachable without a key."""
     host = values.get("admin_api_host", "127.0.0.1")
-    keyless = not values.get("admin_api_key")
+    keyless = values.get("admin_api_key", ADMIN_KEY_AUTO) == ""
     if values.get("admin_api_port", 0) and keyless and not is_loopback(host):
         raise ValueError(
-            f"admin_api_host={host!r} is not a loopback address and admin_api_key is not set; "
-            "set admin_api_key (e.g. @/path/to/file) or bind 127.0.0.1"
+            f"admin_api_host={host!r} is not a loopback address and admin_api_key is "
+            f"{ADMIN_KEY_NONE!r}; use admin_api_key={ADMIN_KEY_AUTO!r} (the default), the key "
+            "or @/path/to/file, or bind 127.0.0.1"
         )
+    if values.get("admin_api_key_dir") and values.get("admin_api_key",
+                                                      ADMIN_KEY_AUTO) != ADMIN_KEY_AUTO:
+        raise ValueError(
+            f"admin_api_key_dir is where admin_api_key={ADMIN_KEY_AUTO!r} writes the key it "
+            "makes, but admin_api_key is given; remove one of them")
+    unused = sorted(k for k in ("admin_api_key_dir", "admin_api_file_dirs",
+                                "admin_api_dynamic_modules") if values.get(k))
+    if unused and not values.get("admin_api_port", 0):
+        raise ValueError(f"{', '.join(unused)} set but the admin API is off "
+                         "(admin_api_port=0); set admin_api_port or remove them")
 
 
 # Keys that only steer loads, or log hits for the capacity planner: a

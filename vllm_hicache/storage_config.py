@@ -7,7 +7,8 @@ parsers, storage/options.py); what remains is the backend's own options,
 which the backend validates when it is built. So are the security options
 every backend shares: ``storage_secret`` (authenticated objects;
 storage_secret.py) and ``storage_encrypt`` (encrypted payloads); the secret
-never reaches a backend, a repr or an error message. The accepted backend
+never reaches a backend, a repr or an error message, nor do the backend's
+inline secrets (its repr shows them redacted, redaction.py). The accepted backend
 names are the registry's (storage/factory.py). Pure module.
 """
 
@@ -22,8 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hicache.policy.prefetch import PREFETCH_POLICIES
+from vllm_hicache.redaction import redacted
 from vllm_hicache.storage.factory import backend_names
-from vllm_hicache.storage.options import integer, number, option, parse_value
+from vllm_hicache.storage.options import (
+    integer,
+    number,
+    option,
+    parse_value,
+    read_option_file,
+)
 from vllm_hicache.storage_secret import LABEL_OBJECT_NAMES, StorageSecret
 from vllm_hicache.storage_secret import OPTION as SECRET_OPTION
 
@@ -65,6 +73,12 @@ class StorageConfig:
     secret: StorageSecret | None = dataclasses.field(default=None, repr=False)
     # storage_encrypt: payloads are AES-256-GCM ciphertext (needs the secret).
     encrypt: bool = False
+
+    def __repr__(self) -> str:
+        # Inline backend secrets (a Redis password, S3 keys) shown redacted.
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
+        values["backend_options"] = redacted(dict(self.backend_options))
+        return f"StorageConfig({', '.join(f'{k}={v!r}' for k, v in values.items())})"
 
     @property
     def protection(self) -> str:
@@ -167,12 +181,16 @@ def _load_extra(value: Any) -> dict[str, Any]:
 
 def _load_file(path: str) -> Any:
     suffix = Path(path).suffix
+    if suffix not in (".json", ".toml"):
+        raise ValueError(f"unsupported file type {suffix!r}: use .json or .toml")
+    try:
+        text = read_option_file(path).decode("utf-8")
+    except UnicodeError:
+        raise ValueError("not UTF-8 text") from None
     if suffix == ".json":
-        return json.loads(Path(path).read_text())
-    if suffix == ".toml":
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            raise ValueError("a .toml file needs Python >= 3.11; use .json") from None
-        return tomllib.loads(Path(path).read_text())
-    raise ValueError(f"unsupported file type {suffix!r}: use .json or .toml")
+        return json.loads(text)
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise ValueError("a .toml file needs Python >= 3.11; use .json") from None
+    return tomllib.loads(text)

@@ -28,8 +28,9 @@ the option (and the file), never the value. Pure module: no torch, no vllm.
 from __future__ import annotations
 
 import hmac
-from pathlib import Path
 from typing import Any
+
+from vllm_hicache.storage.options import read_option_file
 
 OPTION = "storage_secret"
 MIN_SECRET_BYTES = 16
@@ -69,12 +70,10 @@ class StorageSecret:
             return cls(value.encode())
         path = value[1:]
         try:
-            data = Path(path).read_bytes()
-        except OSError as err:
-            # The path is not the secret; the error text (errno) holds nothing else.
-            raise ValueError(
-                f"invalid {OPTION}: cannot read the secret file {path!r}: {err.strerror}"
-            ) from None
+            data = read_option_file(path)
+        except ValueError as err:
+            # The path is not the secret; the error holds nothing else.
+            raise ValueError(f"invalid {OPTION}: {err}") from None
         if data.endswith(b"\n"):
             data = data[:-2] if data.endswith(b"\r\n") else data[:-1]
         try:

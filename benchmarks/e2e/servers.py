@@ -90,6 +90,8 @@ class Server:
                 storage["path"] = str(self.l3_dir)
                 extra["admin_api_host"] = HOST
                 extra["admin_api_port"] = self.admin_port
+                # A benchmark's own loopback server: no key file to manage.
+                extra["admin_api_key"] = "none"
             argv += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "HiCacheConnector", "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra,
@@ -178,7 +180,8 @@ def get(url: str, timeout: float):
 
 
 def post(url: str, timeout: float = 60) -> str:
-    req = urllib.request.Request(url, data=b"", method="POST")
+    req = urllib.request.Request(url, data=b"", method="POST",
+                                 headers={"Content-Type": "application/json"})
     with _opener().open(req, timeout=timeout) as resp:
         return resp.read().decode()
 

@@ -20,9 +20,13 @@ from tests.l3.test_planner import (
 from tests.scheduler.test_scheduler import assert_clean, prompt
 from vllm_hicache.admin import storage_control as l3_attach
 from vllm_hicache.admin.api import parse_attach
+from vllm_hicache.admin.guard import AdminPolicy
 from vllm_hicache.admin.storage_control import _shown_options
 from vllm_hicache.common.page_ops import OpKind
 from vllm_hicache.storage_config import parse_storage
+
+# The operator's allow-list: the admin API may import the test backend.
+ALLOW_MEM = AdminPolicy(dynamic_modules=("tests.connector.mem_backend",))
 
 
 def mem_spec(store: str, **body):
@@ -32,7 +36,7 @@ def mem_spec(store: str, **body):
                          "class_name": "MemBackend", "store": store,
                          "prefetch_threshold": BLOCK},
         "prefetch_policy": "wait_complete", **body,
-    })
+    }, policy=ALLOW_MEM)
 
 
 def settle(h, future, max_steps: int = 100, **step):
@@ -218,7 +222,7 @@ def test_attach_failing_on_the_scheduler_changes_nothing(tiny_model_dir):
     h = make_harness(tiny_model_dir)
     bad = parse_attach({"backend": "dynamic", "extra_config": {
         "module_path": "tests.connector.mem_backend", "class_name": "MemBackend",
-        "store": "x", "bogus": 1}})
+        "store": "x", "bogus": 1}}, policy=ALLOW_MEM)
     status, body = settle(h, control(h).submit("attach", bad))
     assert status == 400 and body["field"] == "extra_config" and "bogus" in body["error"]
     assert h.sched_half.l3 is None and h.worker.worker._io is None

@@ -16,11 +16,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 
 import vllm_hicache
 from vllm_hicache import cli
-from vllm_hicache.common.redact import redacted
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector import HiCacheConnector
 from vllm_hicache.connector.connector import start_line
 from vllm_hicache.connector.geometry import KVGeometry, KVGroup
+from vllm_hicache.redaction import redacted
 
 BLOCK = 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]

@@ -1,5 +1,6 @@
 """The admin API on a real ``vllm-hicache serve`` (HiCache, file L3 with a
-storage secret, admin API on loopback with a key), one server per module.
+storage secret, admin API on loopback with a key, the test's directory in
+admin_api_file_dirs), one server per module.
 
 The tests run in file order on the shared server and each leaves the file
 backend attached:
@@ -13,6 +14,11 @@ backend attached:
                   L1 and L2 reset it comes back from L3
     clear         L3 emptied: the same prompt is then a miss
     legacy        POST /set_hicache_storage_backend null / "file"
+    cross-site    text/plain POSTs (415), a foreign Host or Origin (403): refused
+    files         an attach naming a file outside admin_api_file_dirs (a Redis
+                  password sent to a listener of the client's choosing), a
+                  device, a FIFO, a large file, a module not allowed: refused,
+                  nothing read, sent or imported; an allowed file is sent
 
 Idle admin calls prove the engine loop is woken (vllm_compat.engine_loop_waker):
 an idle EngineCore otherwise blocks until a request arrives.
@@ -22,6 +28,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +43,7 @@ from tests.ports import free_ports
 pytestmark = pytest.mark.engine
 
 KEY = "admin-key-for-tests-0123456789"
+CANARY = "hicache_import_canary"
 # test_serve's arguments with room for one long request (the busy test):
 # L1 = 128 blocks, L2 = 256 pages.
 ARGS = list(TEST_ARGS)
@@ -56,10 +66,11 @@ class Admin:
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def call(self, method: str, path: str = "/hicache/storage-backend", body=None,
-             key: str | None = KEY) -> tuple[int, dict]:
+             key: str | None = KEY, **headers: str) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else (
             json.dumps(body).encode() if body is not None else None)
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json",
+                   **{name.replace("_", "-"): value for name, value in headers.items()}}
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
@@ -103,6 +114,10 @@ def admin(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("admin")
     (tmp / "admin.key").write_text(KEY + "\n")
     (tmp / "l3.secret").write_text("s3cr3t-" * 6 + "\n")
+    # Importable by the engine; records its import (a refused attach must not).
+    (tmp / "canary").mkdir()
+    (tmp / "canary" / f"{CANARY}.py").write_text(
+        f"open({str(tmp / 'imported')!r}, 'w').close()\n")
     api_port, admin_port = free_ports(2)
     extra = {
         "hicache_storage_backend": "file",
@@ -111,6 +126,7 @@ def admin(tiny_model_dir, tmp_path_factory):
             "path": str(tmp / "l3"), "prefetch_threshold": BLOCK,
             "storage_secret": f"@{tmp / 'l3.secret'}"},
         "admin_api_port": admin_port, "admin_api_key": f"@{tmp / 'admin.key'}",
+        "admin_api_file_dirs": [str(tmp)],
     }
     config = {"kv_connector": "HiCacheConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": extra}
@@ -119,6 +135,8 @@ def admin(tiny_model_dir, tmp_path_factory):
     server = Server("admin", argv, tmp / "server.log", _cores()[-1], api_port)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_SERVER_DEV_MODE", "1")  # vLLM's /reset_prefix_cache
+        mp.setenv("PYTHONPATH", os.pathsep.join(
+            [str(tmp / "canary"), *filter(None, [os.environ.get("PYTHONPATH")])]))
         server.start()
     try:
         server.wait_ready()
@@ -165,6 +183,7 @@ def test_bad_input_is_400_and_changes_nothing(admin):
         ({"backend": "file", "shiny": True}, "shiny"),
         ({"backend": "file", "prefetch_policy": "always"}, "prefetch_policy"),
         ({"backend": "file", "extra_config": "[1]"}, "extra_config"),
+        (b"[" * 60_000, "body"),  # once a RecursionError (500)
     ]
     for body, field in cases:
         status, answer = admin.call("PUT", body=body)
@@ -273,3 +292,118 @@ def test_legacy_form(admin):
     assert body["prefetch_policy"] == "best_effort"
     status, body = admin.call("PUT", body={"backend": "redis", "extra_config": {}})
     assert status == 409 and "detach it first" in body["error"]
+
+
+def test_cross_site_calls_are_refused(admin):
+    """What a web page on this host could send: a text/plain POST (no
+    preflight) is 415, a foreign Host (DNS rebinding) or Origin is 403, all
+    before anything runs; JSON with the key works."""
+    admin, tmp = admin
+    admin.wait_idle()
+    objects = _objects(tmp)
+    assert objects > 0
+    for path, body in (("/hicache/storage-backend/clear", b""),
+                       ("/set_hicache_storage_backend", b'{"storage_backend": null}')):
+        status, answer = admin.call("POST", path, body, Content_Type="text/plain")
+        assert status == 415 and "application/json" in answer["error"], answer
+        for header, value in (("Host", "evil.example"), ("Origin", "http://evil.example")):
+            status, answer = admin.call("POST", path, body, **{header: value})
+            assert status == 403 and answer["field"] == header, answer
+    status, answer = admin.call("GET", Host="evil.example")
+    assert status == 403
+    assert _objects(tmp) == objects
+    body = admin.get()
+    assert body["state"] == "attached" and body["backend"] == "file"
+
+
+class FakeRedis:
+    """A TCP listener standing in for a Redis server: records every byte
+    any client sends, answers each read with an error."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.received = bytearray()
+        self.connections = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.settimeout(2)
+                try:
+                    while data := conn.recv(65536):
+                        self.received += data
+                        conn.sendall(b"-ERR no\r\n")
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_attach_reads_no_file_outside_the_allowed_dirs(admin, tmp_path_factory):
+    """Detached (so an attach would build its backend): a Redis attach whose
+    password names a private file sends nothing to the listener the client
+    chose; storage_secret as a device, a FIFO or a large file is a quick 400;
+    a module not allowed is not imported. The same listener does receive a
+    password file from the allowed directory: the check is not vacuous."""
+    admin, tmp = admin
+    admin.wait_idle()
+    private = tmp_path_factory.mktemp("home") / "id_ed25519"
+    private.write_text("PRIVATE-KEY-BYTES-0123456789\n")
+    os.mkfifo(tmp / "fifo")
+    (tmp / "big.secret").write_bytes(b"b" * (1 << 20))
+    (tmp / "redis.pw").write_text("allowed-password-0123\n")
+    status, body = admin.call("DELETE")
+    assert status == 200 and body["state"] == "detached", body
+    fake = FakeRedis()
+    try:
+        redis = {"url": f"redis://127.0.0.1:{fake.port}", "startup_wait_s": 0}
+        refused = [
+            ({"backend": "redis", "extra_config": {**redis, "password": f"@{private}"}},
+             "names a file"),
+            ({"backend": "redis", "extra_config": {**redis, "password": f"@{tmp}/../x"}},
+             "names a file"),
+            ({"backend": "file", "extra_config": {"path": str(tmp / "l3"),
+                                                  "storage_secret": f"@{private}"}},
+             "names a file"),
+            ({"backend": "file", "extra_config": {"path": str(tmp / "l3"),
+                                                  "storage_secret": "@/dev/zero"}},
+             "names a file"),
+            ({"backend": "file", "extra_config": {"path": str(tmp / "l3"),
+                                                  "storage_secret": f"@{tmp}/fifo"}},
+             "not a regular file"),
+            ({"backend": "file", "extra_config": {"path": str(tmp / "l3"),
+                                                  "storage_secret": f"@{tmp}/big.secret"}},
+             "larger than the limit of 65536 bytes"),
+            ({"backend": "dynamic", "extra_config": {"module_path": CANARY,
+                                                     "class_name": "Backend"}},
+             "admin_api_dynamic_modules"),
+        ]
+        for body, problem in refused:
+            start = time.monotonic()
+            status, answer = admin.call("PUT", body=body)
+            assert status == 400 and problem in answer["error"], (body, answer)
+            assert answer["field"] == "extra_config"
+            assert time.monotonic() - start < 10
+        time.sleep(0.5)
+        assert fake.connections == 0 and bytes(fake.received) == b""
+        assert not (tmp / "imported").exists()
+        assert admin.get()["state"] == "detached"
+        # The control: a password file the operator allowed is read and sent.
+        status, answer = admin.call("PUT", body={
+            "backend": "redis", "extra_config": {**redis, "password": f"@{tmp}/redis.pw"}})
+        assert status in (400, 502) and "redis" in answer["error"], answer  # no server there
+        assert b"allowed-password-0123" in fake.received
+        assert b"PRIVATE-KEY-BYTES" not in fake.received
+    finally:
+        fake.close()
+    status, body = admin.call("PUT", body=_file_body(tmp))
+    assert status == 200 and body["state"] == "attached", body

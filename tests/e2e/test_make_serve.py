@@ -1,5 +1,7 @@
 """``make serve`` (examples/serve.py): starts, prints a curl that works as
-pasted, the /metrics and admin API URLs, and stops cleanly on Ctrl-C."""
+pasted, the /metrics and admin API URLs and admin curls that work as pasted
+(sending the generated key), and stops cleanly on Ctrl-C (removing the key
+file)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -51,7 +54,7 @@ def test_make_serve(tiny_model_dir, tmp_path):
         proc = subprocess.Popen(
             [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--port", str(port),
              "--admin-port", str(admin_port), "--l3-dir", str(tmp_path / "l3"),
-             "--log", str(tmp_path / "serve.log")],
+             "--log", str(tmp_path / "serve.log"), "--admin-key-dir", str(tmp_path / "keys")],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     try:
         text = _read_until_ready(proc, out_path)
@@ -73,8 +76,18 @@ def test_make_serve(tiny_model_dir, tmp_path):
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         with opener.open(metrics_url, timeout=30) as resp:
             assert b"vllm:prefix_cache_queries" in resp.read()
-        with opener.open(admin_url, timeout=60) as resp:
-            state = json.loads(resp.read())
+        with pytest.raises(urllib.error.HTTPError) as err:  # the key is required
+            opener.open(admin_url, timeout=60)
+        assert err.value.code == 401
+        key_file = tmp_path / "keys" / f"admin-api-{admin_port}.key"
+        assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+        admin_get = next(line.strip() for line in text.splitlines()
+                         if line.strip().startswith("curl ") and admin_url in line
+                         and "-X" not in line)
+        done = subprocess.run(admin_get, shell=True, capture_output=True, text=True,
+                              timeout=60, env={**env, "no_proxy": "*"}, check=False)
+        assert done.returncode == 0, done.stderr
+        state = json.loads(done.stdout)
         assert state["backend"] == "file" and state["extra_config"]["path"] == str(tmp_path / "l3")
     finally:
         start = time.monotonic()
@@ -100,3 +113,4 @@ def test_make_serve(tiny_model_dir, tmp_path):
     else:
         pytest.fail("processes of the server are still running 10 s after it exited")
     assert stop_s < 60
+    assert not (tmp_path / "keys" / f"admin-api-{admin_port}.key").exists()

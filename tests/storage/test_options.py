@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
+import time
 
 import pytest
 
@@ -13,6 +15,7 @@ from vllm_hicache.storage.file.config import FileBackendConfig
 from vllm_hicache.storage.mooncake.config import MooncakeConfig
 from vllm_hicache.storage.nixl.config import NixlConfig
 from vllm_hicache.storage.options import (
+    MAX_OPTION_FILE_BYTES,
     Options,
     choice,
     flag,
@@ -20,6 +23,7 @@ from vllm_hicache.storage.options import (
     number,
     option,
     permissions,
+    read_option_file,
     secret,
     size,
     string_map,
@@ -106,3 +110,36 @@ def test_secret_inline_or_from_a_file(tmp_path):
         secret(f"@{tmp_path / 'empty'}")
     with pytest.raises(ValueError, match="cannot read the file '/no/such'"):
         secret("@/no/such")
+
+
+# --- files named by "@" -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SecretDemo(Options):
+    owner = "demo backend"
+
+    # A secret inline or @/path/to/file.
+    token: str = option(parse=secret, repr=False)
+
+
+def test_option_files_are_bounded_regular_files(tmp_path):
+    """A device, a FIFO without a writer or a large file fails at once, with
+    the option, the path and the limit named: no hang, no MemoryError."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (MAX_OPTION_FILE_BYTES + 1))
+    exact = tmp_path / "exact"
+    exact.write_bytes(b"y" * MAX_OPTION_FILE_BYTES)
+    assert read_option_file(str(exact)) == b"y" * MAX_OPTION_FILE_BYTES
+    start = time.monotonic()
+    for path, problem in ((fifo, "not a regular file"), ("/dev/zero", "not a regular file"),
+                          (tmp_path, "not a regular file"),
+                          (big, f"larger than the limit of {MAX_OPTION_FILE_BYTES} bytes")):
+        with pytest.raises(ValueError, match=f"^cannot read the file '{path}': {problem}"):
+            read_option_file(str(path))
+        with pytest.raises(ValueError, match=f"^invalid demo backend option token: cannot "
+                                             f"read the file '{path}': {problem}"):
+            SecretDemo.from_options({"token": f"@{path}"})
+    assert time.monotonic() - start < 5

@@ -17,15 +17,33 @@ PUT body (SGLang's names are accepted too, in brackets)::
      "write_policy": "write_through"}           [hicache_write_policy]
 
 ``extra_config`` is what ``hicache_storage_backend_extra_config`` takes (an
-object or a JSON string of one; no ``@file``: the server reads no file named
-by a client, except ``storage_secret``'s). Omitted on a re-attach, the
+object or a JSON string of one, not ``@file``). A file named inside it
+(``@/path`` values, ``*_file`` options) must lie in the operator's
+``admin_api_file_dirs``, and backend ``dynamic`` must name a module of
+``admin_api_dynamic_modules`` (admin_guard.py). Omitted on a re-attach, the
 attached options, prefetch policy and write policy stay.
+
+Every call passes, in order (a refused one reaches nothing of the engine):
+
+1. Host and Origin (403): bound to loopback, ``Host`` must be the bound
+   address or ``localhost`` with the port; an ``Origin`` header must be the
+   same origin (``http://`` + Host). A web page on another site (or a DNS
+   rebinding one) is refused even when the browser sends the request.
+2. The key (401): ``Authorization: Bearer <key>`` unless admin_api_key is
+   "none"; by default a key made at start into a 0600 file (admin_key.py).
+3. Content-Type (415): POST and PUT need ``application/json`` (what a browser
+   cannot send cross-site without asking first); DELETE may omit it.
+4. The body (PUT, POST): at most ``MAX_BODY_BYTES``, checked from
+   Content-Length before reading and while reading (413), JSON nested at most
+   ``MAX_JSON_DEPTH`` deep (400).
 
 Answers are JSON: the GET view on success; ``{"error": ..., "field": ...}``
 with 400 for a bad body or an unknown backend (nothing changes), 401 without
-the key, 409 when the engine is not idle or another backend is attached, 500
-when a rank failed an attach (rolled back), 502 when the backend cannot be
-reached, 503 when the engine does not take the call in time.
+the key, 403 for a foreign Host or Origin, 409 when the engine is not idle or
+another backend is attached, 413 for a body over the limit, 415 without a
+JSON Content-Type, 500 when a rank failed an attach (rolled back), 502 when
+the backend cannot be reached, 503 when the engine does not take the call in
+time.
 
 Served by uvicorn (a FastAPI app) on a daemon thread of the EngineCore
 process, one per engine (data parallel engine i: port + i), on
@@ -42,10 +60,20 @@ import json
 import logging
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 from vllm_hicache import io_threads
+from vllm_hicache.admin.guard import (
+    AdminPolicy,
+    allowed_hosts,
+    content_type_problem,
+    json_depth,
+    origin_problem,
+)
+from vllm_hicache.admin.key_file import remove_key_file, write_key_file
 from vllm_hicache.admin.storage_control import AttachSpec, StorageControl
+from vllm_hicache.config import ADMIN_KEY_AUTO, admin_key_file
 from vllm_hicache.policy.write import WRITE_POLICIES
 from vllm_hicache.storage_config import (
     PREFETCH_POLICIES,
@@ -60,6 +88,10 @@ LEGACY_PATH = "/set_hicache_storage_backend"
 # How long a call waits for the engine loop to take it.
 ENGINE_WAIT_S = 30.0
 MAX_BODY_BYTES = 64 * 1024
+# An attach body nests a few levels; far deeper is an attack on the parser.
+MAX_JSON_DEPTH = 32
+# No file and no dynamic module may be named (the operator allowed none).
+NOTHING_ALLOWED = AdminPolicy()
 
 _ALIASES = {
     "backend": ("backend", "hicache_storage_backend"),
@@ -73,14 +105,17 @@ _ALIASES = {
 class BodyError(ValueError):
     """A bad request body; ``field`` names the offending field."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.field = field
+        self.status = status
 
 
-def parse_attach(body: Any, legacy: bool = False) -> AttachSpec | None:
+def parse_attach(body: Any, legacy: bool = False,
+                 policy: AdminPolicy = NOTHING_ALLOWED) -> AttachSpec | None:
     """Validate an attach body (nothing is read from the engine, nothing
-    changes); None for the legacy form's ``"storage_backend": null``."""
+    changes); None for the legacy form's ``"storage_backend": null``.
+    ``policy`` says which files and modules the options may name."""
     if not isinstance(body, dict):
         raise BodyError("body", "expected a JSON object")
     names = {alias: canon for canon, aliases in _ALIASES.items() for alias in aliases}
@@ -103,7 +138,13 @@ def parse_attach(body: Any, legacy: bool = False) -> AttachSpec | None:
     if not isinstance(backend, str) or backend not in STORAGE_BACKENDS:
         raise BodyError(backend_key, f"unknown backend {backend!r}; accepted: "
                                      f"{', '.join(STORAGE_BACKENDS)}")
-    extra = _extra_config(*values["extra_config"]) if "extra_config" in values else {}
+    extra = {}
+    if "extra_config" in values:  # else the attached options stay: nothing new is named
+        extra = _extra_config(*values["extra_config"])
+        try:
+            policy.check_attach(backend, extra)
+        except ValueError as err:
+            raise BodyError(values["extra_config"][0], str(err)) from None
     policies: dict[str, str | None] = {}
     for canon, choices in (("prefetch_policy", PREFETCH_POLICIES),
                            ("write_policy", WRITE_POLICIES)):
@@ -132,8 +173,8 @@ def _extra_config(key: str, raw: Any) -> dict[str, Any]:
         return {}
     if isinstance(raw, str):
         if raw.startswith("@"):
-            raise BodyError(key, "the admin API reads no file named by a client; send the "
-                                 "options as a JSON object")
+            raise BodyError(key, "the admin API takes the options themselves, not a file; "
+                                 "send them as a JSON object")
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as err:
@@ -150,9 +191,10 @@ def _authorized(header: str, api_key: str) -> bool:
         token.strip().encode(), api_key.encode())
 
 
-def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float = ENGINE_WAIT_S):
-    """The FastAPI app; every route needs ``Authorization: Bearer <api_key>``
-    when a key is set."""
+def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float = ENGINE_WAIT_S,
+              *, host: str, port: int, policy: AdminPolicy = NOTHING_ALLOWED):
+    """The FastAPI app of an API bound to ``host:port``; every route needs
+    ``Authorization: Bearer <api_key>`` when a key is set."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
@@ -163,11 +205,19 @@ def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float =
         body = {"error": message} if field is None else {"error": message, "field": field}
         return JSONResponse(body, status, headers=headers or None)
 
+    hosts = allowed_hosts(host, port)
+
     @app.middleware("http")
-    async def authenticate(request: Request, call_next):
+    async def guard(request: Request, call_next):
+        header, problem = origin_problem(request.headers, hosts)
+        if problem:
+            return error(403, problem, header)
         if api_key and not _authorized(request.headers.get("authorization", ""), api_key):
             return error(401, "missing or wrong admin API key (Authorization: Bearer <key>)",
                          **{"WWW-Authenticate": "Bearer"})
+        problem = content_type_problem(request.method, request.headers.get("content-type"))
+        if problem:
+            return error(415, problem, "Content-Type")
         return await call_next(request)
 
     async def run(kind: str, spec: AttachSpec | None = None):
@@ -185,11 +235,19 @@ def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float =
         return JSONResponse(body, status)
 
     async def read_body(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise BodyError("body", f"larger than {MAX_BODY_BYTES} bytes")
+        too_large = BodyError("body", f"larger than {MAX_BODY_BYTES} bytes", status=413)
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            raise too_large
+        raw = bytearray()
+        async for chunk in request.stream():  # without Content-Length: up to the limit
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise too_large
         if not raw.strip():
             raise BodyError("body", "expected a JSON object")
+        if json_depth(raw, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            raise BodyError("body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -197,9 +255,9 @@ def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float =
 
     async def attach(request: Request, legacy: bool):
         try:
-            spec = parse_attach(await read_body(request), legacy=legacy)
+            spec = parse_attach(await read_body(request), legacy=legacy, policy=policy)
         except BodyError as err:
-            return error(400, str(err), err.field)
+            return error(err.status, str(err), err.field)
         return await run("detach") if spec is None else await run("attach", spec)
 
     @app.get(API_PATH)
@@ -227,13 +285,18 @@ def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float =
 
 class AdminServer:
     """uvicorn serving ``build_app`` on a daemon thread. The socket is bound
-    in ``start`` so a taken port fails the engine's start, naming the key."""
+    in ``start`` so a taken port fails the engine's start, naming the key.
+    With ``key_file``, ``start`` makes the key and writes it there (removed
+    by ``stop``); else ``api_key`` is the key ("" = none)."""
 
-    def __init__(self, control: StorageControl, host: str, port: int, api_key: str = "") -> None:
+    def __init__(self, control: StorageControl, host: str, port: int, api_key: str = "",
+                 key_file: Path | None = None, policy: AdminPolicy = NOTHING_ALLOWED) -> None:
         self.control = control
         self.host = host
         self.port = port
         self._api_key = api_key
+        self.key_file = key_file
+        self._policy = policy
         self._server = None
         self._thread: threading.Thread | None = None
 
@@ -256,7 +319,15 @@ class AdminServer:
             raise ValueError(f"HiCache admin API: cannot listen on admin_api_host={self.host!r} "
                              f"admin_api_port={self.port}: {err.strerror or err}") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self.control, self._api_key), loop="asyncio",
+        if self.key_file is not None:
+            try:
+                self._api_key = write_key_file(self.key_file)
+            except ValueError:
+                sock.close()
+                raise
+        app = build_app(self.control, self._api_key, host=self.host, port=self.port,
+                        policy=self._policy)
+        config = uvicorn.Config(app, loop="asyncio",
                                 log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
@@ -264,7 +335,8 @@ class AdminServer:
                                                kwargs={"sockets": [sock]})
         self._thread.start()
         logger.info("HiCache admin API on %s (%s)", self.url,
-                    "Authorization: Bearer key required" if self._api_key
+                    f"Authorization: Bearer <the key in {self.key_file}>" if self.key_file
+                    else "Authorization: Bearer key required" if self._api_key
                     else "no key: loopback only")
         return self
 
@@ -275,6 +347,8 @@ class AdminServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._server = self._thread = None
+        if self.key_file is not None and self._api_key:
+            remove_key_file(self.key_file, self._api_key)
 
 
 def admin_port(base_port: int, vllm_config) -> int:
@@ -293,4 +367,7 @@ def start_admin_api(control: StorageControl, cfg, vllm_config) -> "AdminServer |
     if control.waker is None:
         logger.warning("HiCache admin API: this engine runs in-process; a call is taken only "
                        "when the engine steps for a request")
-    return AdminServer(control, cfg.admin_api_host, port, cfg.admin_api_key).start()
+    auto = cfg.admin_api_key == ADMIN_KEY_AUTO
+    return AdminServer(control, cfg.admin_api_host, port, "" if auto else cfg.admin_api_key,
+                       key_file=admin_key_file(cfg.admin_api_key_dir, port) if auto else None,
+                       policy=AdminPolicy.from_config(cfg)).start()

@@ -64,8 +64,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_hicache import io_threads
 from vllm_hicache.common.jobs import BackupJob, StorageCommand
-from vllm_hicache.common.redact import REDACTED, redacted, shown_error
 from vllm_hicache.l3.backfill import Backfill
+from vllm_hicache.redaction import REDACTED, redacted, shown_error
 from vllm_hicache.storage_config import StorageConfig
 
 if TYPE_CHECKING:

@@ -35,7 +35,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_hicache.admin.api import start_admin_api
 from vllm_hicache.admin.storage_control import make_control
-from vllm_hicache.common.redact import redacted
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.geometry import KVGeometry, fit_config_to_groups, geometry_from
 from vllm_hicache.connector.kv_events import KVEventLog, kv_events_enabled
@@ -45,6 +44,7 @@ from vllm_hicache.connector.worker import HiCacheWorker
 from vllm_hicache.kernels import kernel_io_missing
 from vllm_hicache.l3.setup import build_planner, check_shareable_hashes
 from vllm_hicache.logs import log_through_vllm
+from vllm_hicache.redaction import redacted
 from vllm_hicache.scheduler.pd import pd_role
 from vllm_hicache.scheduler.scheduler import HiCacheScheduler
 

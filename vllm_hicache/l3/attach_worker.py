@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from vllm_hicache.common.jobs import StorageCommand
-from vllm_hicache.common.redact import shown_error
 from vllm_hicache.l3.canary import DisabledPageStore
 from vllm_hicache.l3.worker_io import StorageIO
+from vllm_hicache.redaction import shown_error
 from vllm_hicache.storage_config import StorageConfig, parse_storage
 
 logger = logging.getLogger(__name__)

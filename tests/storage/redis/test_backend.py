@@ -88,6 +88,22 @@ def test_password_never_shown():
     assert RedisConfig.from_options({"url": "unix:///tmp/x.sock?db=2"}).batch_size == 128
 
 
+@pytest.mark.parametrize("url, problem", [
+    ("redis://alice:hunter2@h:1/0", "it contains a password"),
+    ("redis://h:1/0?password=hunter2", r"query argument\(s\) \['password'\]"),
+    ("redis://h:1/0?db=1&auth=hunter2", r"query argument\(s\) \['auth'\]"),
+    ("http://u:hunter2@h/?password=hunter2", "Redis URL must specify one of the .*schemes"),
+    ("redis://h:hunter2/0", "the port is not an integer"),
+])
+def test_url_errors_never_echo_a_password(url, problem):
+    """A wrong URL is named in the error with its password and query values
+    redacted (they may be the secret)."""
+    with pytest.raises(ValueError, match=f"invalid redis backend option url='.*': {problem}") \
+            as err:
+        RedisConfig.from_options({"url": url})
+    assert "hunter2" not in str(err.value)
+
+
 def test_clear_deletes_only_our_prefix(server):
     ours = make(("redis", {"url": server.url, "key_prefix": "mine:"}))
     theirs = make(("redis", {"url": server.url, "key_prefix": "theirs:"}))

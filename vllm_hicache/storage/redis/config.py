@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from redis.connection import parse_url
 
+from vllm_hicache.redaction import REDACTED, redacted
 from vllm_hicache.storage.options import (
     Options,
     integer,
@@ -102,24 +103,45 @@ class RedisConfig(Options):
 
 
 def _check_url(url: str) -> None:
+    # Errors show the URL redacted: a wrong one may carry a password
+    # (user:password@ or ?password=) that must not reach logs or answers.
+    shown = _shown_url(url)
     try:
         parsed = parse_url(url)
     except ValueError as err:
-        raise ValueError(f"invalid redis backend option url={url!r}: {err}") from None
+        # urllib's port error quotes the port text, which may be a password
+        # put in the wrong place (redis://host:hunter2).
+        reason = "the port is not an integer in [0, 65535]" if "port" in str(err).lower() \
+            else redacted(str(err))
+        raise ValueError(f"invalid redis backend option url={shown!r}: {reason}") from None
     if urlsplit(url).password is not None:
-        # Do not echo the URL: it holds the secret.
         raise ValueError(
-            "invalid redis backend option url: it contains a password; "
+            f"invalid redis backend option url={shown!r}: it contains a password; "
             "put the password in the 'password' option instead"
         )
     extra = sorted(set(_query_keys(url)) - _URL_QUERY_KEYS)
     if extra:
         raise ValueError(
-            f"invalid redis backend option url={url!r}: query argument(s) {extra} are not "
+            f"invalid redis backend option url={shown!r}: query argument(s) {extra} are not "
             f"accepted (only {sorted(_URL_QUERY_KEYS)}); use the backend's options instead"
         )
     if "path" not in parsed and "host" not in parsed:
-        raise ValueError(f"invalid redis backend option url={url!r}: no host or socket path")
+        raise ValueError(f"invalid redis backend option url={shown!r}: no host or socket path")
+
+
+def _shown_url(url: str) -> str:
+    """``url`` without its password and query values (names are kept)."""
+    parts = urlsplit(url)
+    user, at, host = parts.netloc.rpartition("@")
+    try:
+        _ = parts.port
+    except ValueError:  # not a port: perhaps a password in the wrong place
+        host = f"{host.rpartition(':')[0]}:{REDACTED}"
+    if user and ":" in user:
+        user = f"{user.partition(':')[0]}:{REDACTED}"
+    netloc = user + at + host
+    query = "&".join(f"{name}=..." for name in _query_keys(url))
+    return parts._replace(netloc=netloc, query=query, fragment="").geturl()
 
 
 def _query_keys(url: str) -> list[str]:
