@@ -74,7 +74,7 @@ class HiCacheConfig:
     # It adds to the model name (path) and revision, never replaces them.
     # Empty: use the fingerprint.
     model_version: str = ""
-    # Admin HTTP API (README "Admin API": runtime attach/detach of the L3
+    # Admin HTTP API (docs/admin-api.md: runtime attach/detach of the L3
     # backend), served by each engine next to the scheduler half. Port 0
     # (the default) = off; under data parallelism engine i listens on port + i.
     admin_api_port: int = 0
@@ -96,7 +96,7 @@ class HiCacheConfig:
     # Modules an admin API attach of backend "dynamic" may import
     # (module_path, exactly). Empty = "dynamic" is refused over the API.
     admin_api_dynamic_modules: tuple[str, ...] = ()
-    # Access log for the capacity planner (README "Capacity planning"): the
+    # Access log for the capacity planner (docs/capacity-planning.md): the
     # file the scheduler half writes, per request, its arrival time, block
     # hash chain (8-byte prefixes), prompt tokens and hit tokens by tier (no
     # text, no token ids). "" = off.
@@ -107,8 +107,7 @@ class HiCacheConfig:
     # Disk the log may use, in MB (1e6 bytes): it rotates into "<log>.1"
     # (replacing the previous one) at half of it.
     hicache_access_log_max_mb: float = 1024.0
-    # The decode role of a prefill/decode-disaggregated deployment (README
-    # "Prefill/decode disaggregation"; SGLang
+    # The decode role of a prefill/decode-disaggregated deployment (docs/pd.md; SGLang
     # --disaggregation-decode-enable-offload-kvcache). HiCache then never
     # looks up or loads anything (NixlConnector delivers the prompt's KV):
     # the full blocks of every request, the prompt received from prefill and

@@ -1,5 +1,5 @@
 """``python -m vllm_hicache.planner LOG [LOG ...]``: the capacity plan of an
-access log (README "Capacity planning")."""
+access log (docs/capacity-planning.md)."""
 
 from __future__ import annotations
 

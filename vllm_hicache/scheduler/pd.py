@@ -1,7 +1,7 @@
 """HiCache's role in a prefill/decode-disaggregated (PD) deployment.
 
 Both kinds of instance run vLLM's ``MultiConnector`` with ``NixlConnector``
-first and HiCache second (README "Prefill/decode disaggregation"). HiCache's
+first and HiCache second (docs/pd.md). HiCache's
 entry carries the instance's role in its ``kv_role``, like the NixlConnector
 entry next to it, and ``config.check_kv_role`` refuses contradictions:
 
