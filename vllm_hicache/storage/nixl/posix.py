@@ -99,6 +99,10 @@ class PosixStore:
     def _fan_out(key: str) -> str:
         return f"{zlib.crc32(key.encode()) & 0xFF:02x}"
 
+    def object_path(self, key: str) -> str:
+        """``root/xx/<key>``, for messages and tests (I/O goes by descriptor)."""
+        return f"{self.root}/{self._fan_out(key)}/{key}"
+
     def _temp_name(self, key: str) -> str:
         return f".{key}.{os.getpid()}.{threading.get_ident()}.{next(self._seq)}.tmp"
 
