@@ -44,10 +44,9 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hicache import io_threads
-from vllm_hicache.connector.daemon_pool import DaemonPool
 from vllm_hicache.storage.base import Buffers, StorageBackend, StorageContext
 from vllm_hicache.storage.batching import map_slices
 from vllm_hicache.storage.buffers import total_bytes
@@ -58,6 +57,9 @@ from vllm_hicache.storage.file.capacity import Capacity, Pending
 from vllm_hicache.storage.file.config import FileBackendConfig
 from vllm_hicache.storage.file.store_dir import StoreDir
 from vllm_hicache.storage.log_throttle import LogThrottle
+
+if TYPE_CHECKING:
+    from vllm_hicache.connector.daemon_pool import DaemonPool
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +287,11 @@ class FileBackend(StorageBackend):
             if self._closed:
                 raise RuntimeError("file backend is closed")
             if self._pool is None:
+                # Imported here: the connector package imports vllm, which the
+                # storage layer must not need at import time (daemon_pool.py
+                # itself is pure).
+                from vllm_hicache.connector.daemon_pool import DaemonPool
+
                 # map_slices runs one slice on the calling thread.
                 self._pool = DaemonPool(max(self.config.num_io_threads - 1, 1), "hicache-file")
             return self._pool
