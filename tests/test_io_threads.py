@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from vllm_hicache import io_threads
-from vllm_hicache.common.daemon_pool import DaemonPool
+from vllm_hicache.daemon_pool import DaemonPool
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 

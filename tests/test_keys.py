@@ -219,11 +219,10 @@ def model_config(**fields) -> SimpleNamespace:
 
 
 def ns_of(config, **kwargs) -> KeyNamespace:
-    """The namespace l3_setup.namespace builds for ``config``."""
-    from vllm_hicache.connector.l3_setup import namespace
-
+    """The namespace l3.setup.namespace builds for ``config``."""
     from tests.conftest import make_config
     from vllm_hicache.connector.geometry import KVGeometry
+    from vllm_hicache.l3.setup import namespace
 
     vllm_config = SimpleNamespace(
         model_config=config,
@@ -292,7 +291,7 @@ def test_a_callable_hf_overrides_is_named_and_warned_about(caplog):
     def longer(config):
         return config
 
-    with caplog.at_level(logging.WARNING, "vllm_hicache.connector.l3_identity"):
+    with caplog.at_level(logging.WARNING, "vllm_hicache.l3.identity"):
         named = ns_of(model_config(hf_overrides=shorter), log=True)
     assert "shorter" in named.hf_overrides and named.hf_overrides.startswith('{"callable":')
     assert "hf_overrides is a function" in caplog.text and "model_version" in caplog.text

@@ -40,12 +40,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from vllm_hicache.common.daemon_pool import DaemonPool
 from vllm_hicache.common.events import MEDIUM_L2, MEDIUM_L3, EventLog
 from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.common.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
 from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
+from vllm_hicache.daemon_pool import DaemonPool
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.policy.offload import BackupBacklog, backup_inflight_cap

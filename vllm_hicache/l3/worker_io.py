@@ -22,9 +22,9 @@ import threading
 import time
 from concurrent.futures import Future, wait
 
-from vllm_hicache.common.daemon_pool import DaemonPool
 from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.common.stats import WorkerCounters, key
+from vllm_hicache.daemon_pool import DaemonPool
 from vllm_hicache.storage.pages import PageStore
 
 logger = logging.getLogger(__name__)

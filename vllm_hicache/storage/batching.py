@@ -12,11 +12,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Future
 from itertools import islice
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class Submitter(Protocol):
+    """What ``map_slices`` runs slices on: a ThreadPoolExecutor or a DaemonPool."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future: ...
 
 
 def chunks(sizes: Sequence[int], *, max_items: int | None = None,
@@ -36,7 +42,7 @@ def chunks(sizes: Sequence[int], *, max_items: int | None = None,
 
 
 def map_slices(fn: Callable[[T], Any], items: Sequence[T], workers: int,
-               executor: Callable[[], Executor]) -> list[Any]:
+               executor: Callable[[], Submitter]) -> list[Any]:
     """``[fn(x) for x in items]``, split into ``workers`` contiguous slices run
     at once (``executor()`` is asked only when there are several). An
     exception of ``fn`` propagates; ``executor()`` may raise to refuse."""

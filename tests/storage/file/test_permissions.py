@@ -1,16 +1,21 @@
 """The ``file`` backend's permissions: what it creates is owner-only unless
 ``file_mode``/``dir_mode`` say otherwise, whatever the umask, and a store
-directory that others can write to is refused unless ``allow_shared_dir``."""
+directory that others can write to (world, group, ACL, another owner), or
+modes letting others write, are refused unless ``allow_shared_dir``.
+Attacks through the directory (symlinks, FIFOs): test_hostile.py."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import struct
 from pathlib import Path
 
 import pytest
 
 from tests.storage.conformance import keys, make, obj
+from vllm_hicache.storage.file import access
 from vllm_hicache.storage.file import io as file_io
 
 
@@ -37,7 +42,8 @@ def umask():
 @pytest.mark.parametrize("mask", [0o022, 0o000, 0o077])
 @pytest.mark.parametrize("options, file_mode, dir_mode", [
     ({}, 0o600, 0o700),
-    ({"file_mode": "0660", "dir_mode": "0770"}, 0o660, 0o770),  # a group-shared store
+    ({"file_mode": "0660", "dir_mode": "0770", "allow_shared_dir": True},  # a group-shared store
+     0o660, 0o770),
     ({"file_mode": "0o640", "dir_mode": 0o750}, 0o640, 0o750),
 ])
 def test_created_paths_have_exactly_the_modes(tmp_path, umask, mask, options, file_mode,
@@ -61,10 +67,13 @@ def test_created_paths_have_exactly_the_modes(tmp_path, umask, mask, options, fi
 
 
 def test_temp_files_get_the_mode_too(tmp_path):
-    final = file_io.object_path(str(tmp_path), "k")
-    file_io.make_fanout_dirs(final, 0o700, 0o022)
-    tmp = file_io.write_temp(final, [obj(0)[0]], fsync=False, mode=0o640, umask=0o077)
-    assert mode(Path(tmp)) == 0o640
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        tmp = file_io.write_temp(fd, "k.hckv", [obj(0)[0]], fsync=False, mode=0o640,
+                                 umask=0o077)
+    finally:
+        os.close(fd)
+    assert mode(tmp_path / tmp) == 0o640
 
 
 def test_world_writable_directory_is_refused(tmp_path):
@@ -83,11 +92,29 @@ def test_world_writable_directory_is_refused(tmp_path):
     b.close()
 
 
-def test_group_writable_directory_of_our_own_is_fine(tmp_path):
+def test_group_writable_directory_is_refused_unless_shared(tmp_path):
     root = tmp_path / "group"
     root.mkdir()
     os.chmod(root, 0o770)
-    make(("file", {"path": str(root)})).close()
+    gid = root.stat().st_gid
+    with pytest.raises(ValueError, match=f"writable by its group \\(gid {gid}, mode 0770\\)"
+                                         ".*allow_shared_dir") as err:
+        make(("file", {"path": str(root)}))
+    assert str(root) in str(err.value)
+    b = make(("file", {"path": str(root), "allow_shared_dir": True}))
+    assert b.put(keys(1), [obj(0)]) == [True]
+    b.close()
+
+
+@pytest.mark.parametrize("options", [{"dir_mode": "0770"}, {"file_mode": "0662"},
+                                     {"dir_mode": "0777", "file_mode": "0666"}])
+def test_modes_letting_others_write_need_allow_shared_dir(tmp_path, options):
+    root = tmp_path / "l3"
+    with pytest.raises(ValueError, match=r"file backend: (file|dir)_mode \d{4}.*"
+                                         "let users other than the owner write.*allow_shared"):
+        make(("file", {"path": str(root), **options}))
+    assert not root.exists()  # refused before anything was created
+    make(("file", {"path": str(root), "allow_shared_dir": True, **options})).close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory away")
@@ -113,3 +140,74 @@ def test_directory_owned_by_another_user_is_refused(tmp_path):
 def test_bad_options_name_the_option(tmp_path, options, name):
     with pytest.raises(ValueError, match=f"file backend option.*{name}"):
         make(("file", {"path": str(tmp_path / "l3"), **options}))
+
+
+# --- POSIX ACLs ---
+
+def acl(*entries: tuple[int, int, int]) -> bytes:
+    """``system.posix_acl_access`` bytes: version 2, then (tag, perm, id) in
+    the kernel's order (user obj, users, group obj, groups, mask, other)."""
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+USER_OBJ, USER, GROUP_OBJ, GROUP, MASK, OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+RWX, RX, NONE = 7, 5, 0
+UNDEFINED = 0xFFFFFFFF  # the id of entries that have none
+
+
+def entries(*named, group=RX, mask=None, other=RX):
+    out = [(USER_OBJ, RWX, UNDEFINED), *named, (GROUP_OBJ, group, UNDEFINED)]
+    out.sort(key=lambda e: (e[0], e[2]))
+    if mask is not None:
+        out.append((MASK, mask, UNDEFINED))
+    return [*out, (OTHER, other, UNDEFINED)]
+
+
+@pytest.mark.parametrize("raw_entries, writers", [
+    (entries(), []),  # a minimal ACL: mode 0755
+    (entries(group=RWX), ["the owning group"]),
+    (entries(other=RWX), ["every user"]),
+    (entries((USER, RWX, 4242), mask=RWX), ["user 4242"]),
+    (entries((USER, RWX, 4242), mask=RX), []),  # the mask takes the write away
+    (entries((GROUP, RWX, 77), mask=RWX), ["group 77"]),
+    (entries((USER, RWX, 1000), mask=RWX), []),  # a named entry for ourselves
+    (entries((USER, RX, 4242), (GROUP, RX, 77), mask=RWX), []),
+])
+def test_acl_writers(raw_entries, writers):
+    assert access.acl_writers(acl(*raw_entries), our_uid=1000) == writers
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x02\x00\x00", acl()[:4] + b"\x01\x00",
+                                 struct.pack("<I", 1) + acl(*entries())[4:]])
+def test_malformed_acl_is_an_error(raw):
+    with pytest.raises(ValueError, match="ACL"):
+        access.acl_writers(raw, our_uid=0)
+
+
+def set_acl(path: Path, raw: bytes) -> None:
+    try:
+        os.setxattr(path, "system.posix_acl_access", raw)
+    except OSError as err:
+        if err.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            pytest.skip(f"no POSIX ACLs on {path}'s file system")
+        raise
+
+
+def test_acl_granting_another_user_write_is_refused(tmp_path):
+    """The owning group and others cannot write; the ACL lets user 4242."""
+    root = tmp_path / "acl"
+    root.mkdir(mode=0o700)
+    set_acl(root, acl(*entries((USER, RWX, 4242), group=RX, mask=RWX, other=NONE)))
+    with pytest.raises(ValueError, match="its ACL lets user 4242 write it.*allow_shared_dir"):
+        make(("file", {"path": str(root)}))
+    make(("file", {"path": str(root), "allow_shared_dir": True})).close()
+
+
+def test_acl_whose_mask_denies_write_is_accepted(tmp_path):
+    root = tmp_path / "acl"
+    root.mkdir(mode=0o700)
+    set_acl(root, acl(*entries((USER, RWX, 4242), group=RX, mask=RX, other=NONE)))
+    assert mode(root) == 0o750  # the group bits show the mask
+    b = make(("file", {"path": str(root)}))
+    assert b.put(keys(1), [obj(0)]) == [True]
+    b.close()

@@ -59,8 +59,8 @@ def test_posix_truncated_or_longer_file_is_a_miss(tmp_path, built):
     b = built(posix_spec(tmp_path))
     ks = keys(3)
     assert b.put(ks, [obj(i) for i in range(3)]) == [True] * 3
-    os.truncate(b._store._final_path(ks[0]), OBJECT_BYTES - 1)
-    with open(b._store._final_path(ks[1]), "ab") as f:
+    os.truncate(b._store.object_path(ks[0]), OBJECT_BYTES - 1)
+    with open(b._store.object_path(ks[1]), "ab") as f:
         f.write(b"x")
     targets = [empty() for _ in ks]
     assert b.get(ks, targets) == [False, False, True]
@@ -108,7 +108,7 @@ def test_failed_object_in_a_batch_costs_only_its_key(tmp_path, built, monkeypatc
     def shrink_after_open(self, key, target):
         job = original(self, key, target)
         if key == ks[1]:
-            os.truncate(self._final_path(key), 100)
+            os.truncate(self.object_path(key), 100)
         return job
 
     monkeypatch.setattr(PosixStore, "_read_job", shrink_after_open)
@@ -212,7 +212,7 @@ def test_posix_clear_removes_objects_and_temp_files_only(tmp_path, built):
     b = built(posix_spec(tmp_path))
     ks = keys(3)
     b.put(ks, [obj(i) for i in range(3)])
-    sub = b._store._dir(ks[0])
+    sub = os.path.dirname(b._store.object_path(ks[0]))
     stale = os.path.join(sub, f".{ks[0]}.1.2.3.tmp")
     open(stale, "wb").close()
     foreign = os.path.join(sub, "README.TXT")

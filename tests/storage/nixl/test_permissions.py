@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.mark.parametrize("mask", [0o022, 0o077])
 @pytest.mark.parametrize("options, file_mode, dir_mode", [
     ({}, 0o600, 0o700),
-    ({"file_mode": "0660", "dir_mode": "0770"}, 0o660, 0o770),  # a group-shared store
+    ({"file_mode": "0660", "dir_mode": "0770", "allow_shared_dir": True},  # a group-shared store
+     0o660, 0o770),
 ])
 def test_created_paths_have_exactly_the_modes(tmp_path, umask, mask, options,  # noqa: F811
                                               file_mode, dir_mode):
@@ -40,6 +41,21 @@ def test_world_writable_directory_is_refused(tmp_path):
     os.chmod(root, 0o777)
     with pytest.raises(ValueError, match="nixl backend.*writable by every user.*allow_shared"):
         make(("nixl", {"path": str(root)}))
+    b = make(("nixl", {"path": str(root), "allow_shared_dir": True}))
+    try:
+        assert b.put(keys(1), [obj(0)]) == [True]
+    finally:
+        b.close()
+
+
+def test_group_writable_directory_or_modes_are_refused_unless_shared(tmp_path):
+    root = tmp_path / "group"
+    root.mkdir()
+    os.chmod(root, 0o770)
+    with pytest.raises(ValueError, match="nixl backend.*writable by its group.*allow_shared"):
+        make(("nixl", {"path": str(root)}))
+    with pytest.raises(ValueError, match="nixl backend.*dir_mode 0770 let users other"):
+        make(("nixl", {"path": str(tmp_path / "l3"), "dir_mode": "0770"}))
     b = make(("nixl", {"path": str(root), "allow_shared_dir": True}))
     try:
         assert b.put(keys(1), [obj(0)]) == [True]

@@ -26,9 +26,15 @@ Invariants:
   should use the same ``max_bytes``.
 - ``clear`` removes only files named like objects or temp files.
 - Files are created ``file_mode`` (0600) and directories ``dir_mode`` (0700),
-  whatever the umask. A store directory that others can write to (world-
-  writable, or not owned by this user) is refused at start unless
-  ``allow_shared_dir``: whoever can write it can replace objects.
+  whatever the umask. A store directory that others can write to (not owned
+  by this user, group- or world-writable, or an ACL granting write), or modes
+  that would let others write what we create, are refused at start unless
+  ``allow_shared_dir``: whoever can write the store can replace objects.
+- The directory checked at start is the one used until close: the root is
+  held open and every path below it walked without following symlinks
+  (store_dir.py). A symlink, FIFO or device at an object's name is a miss.
+- I/O threads are daemons (DaemonPool) and ``close`` waits for them only
+  briefly, so a hung mount can stall neither shutdown nor process exit.
 """
 
 from __future__ import annotations
@@ -37,24 +43,30 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm_hicache import io_threads
+from vllm_hicache.daemon_pool import DaemonPool
 from vllm_hicache.storage.base import Buffers, StorageBackend, StorageContext
 from vllm_hicache.storage.batching import map_slices
 from vllm_hicache.storage.buffers import total_bytes
 from vllm_hicache.storage.counters import Counters
 from vllm_hicache.storage.file import io as file_io
+from vllm_hicache.storage.file.access import check_modes
 from vllm_hicache.storage.file.capacity import Capacity, Pending
 from vllm_hicache.storage.file.config import FileBackendConfig
+from vllm_hicache.storage.file.store_dir import StoreDir
 from vllm_hicache.storage.log_throttle import LogThrottle
 
 logger = logging.getLogger(__name__)
 
 # Start-up must fail within the interface's 30 s even on a hung network mount.
 _STARTUP_TIMEOUT_S = 20.0
+# close() waits this long for each I/O thread; one stuck on a hung mount is
+# left behind (a daemon: it cannot hold up the process's exit).
+_CLOSE_JOIN_S = 1.0
+_OWNER = "file backend"
 
 
 class FileBackend(StorageBackend):
@@ -65,12 +77,14 @@ class FileBackend(StorageBackend):
 
     def __init__(self, options: Mapping[str, Any], ctx: StorageContext) -> None:
         self.config = FileBackendConfig.from_options(options)
-        self.root = self.config.path
+        check_modes(self.config.file_mode, self.config.dir_mode, self.config.allow_shared_dir,
+                    _OWNER)
         self._umask = file_io.process_umask()
-        self._capacity = _open_root(self.config, self._umask)
-        self._pool: ThreadPoolExecutor | None = None
+        self._store, self._capacity = _open_root(self.config, self._umask)
+        # The directory actually held (a symlinked path resolved once).
+        self.root = self._store.path
+        self._pool: DaemonPool | None = None
         self._lock = threading.Lock()
-        self._known_dirs: set[str] = set()
         self._counts = Counters("gets", "get_hits", "get_bytes", "puts", "put_ok", "put_bytes",
                                 "errors")
         self._error_log = LogThrottle()
@@ -89,7 +103,12 @@ class FileBackend(StorageBackend):
         for key in keys:
             if self._closed or not file_io.valid_key(key):
                 break
-            if not os.path.isfile(file_io.object_path(self.root, key)):
+            parts, name = file_io.object_location(key)
+            try:
+                with self._store.directory(parts) as leaf:
+                    if file_io.regular_size(leaf, name) is None:
+                        break
+            except OSError:  # no such directory, a symlink, or closed meanwhile
                 break
             found += 1
         return found
@@ -132,8 +151,9 @@ class FileBackend(StorageBackend):
             self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=True, timeout_s=_CLOSE_JOIN_S)
         self._capacity.close()
+        self._store.close()
 
     # --- one object ---
 
@@ -141,67 +161,101 @@ class FileBackend(StorageBackend):
         """Bytes read, or None: a miss."""
         if not file_io.valid_key(key):
             return None
-        path = file_io.object_path(self.root, key)
-        size = file_io.read_object(path, buffers)
-        if size < 0:
+        parts, name = file_io.object_location(key)
+        try:
+            leaf = self._store.open_dir(parts)
+        except FileNotFoundError:  # nothing stored under this fan-out yet
             return None
-        if self._capacity.touch(key):
+        try:
+            size = file_io.read_object(leaf, name, buffers)
+            if size < 0:
+                return None
+            if self._capacity.touch(key):
+                try:  # the LRU clock other processes' rescans sort by
+                    os.utime(name, dir_fd=leaf, follow_symlinks=False)
+                except OSError:  # evicted meanwhile: the read was still whole
+                    pass
+            return size
+        finally:
+            os.close(leaf)
+
+    def _write_temp(self, key: str, buffers: Buffers) -> tuple[int, str] | None:
+        """Write the temp file of one object (not yet visible): (its leaf
+        directory's descriptor, for the caller to close; its name)."""
+        cfg = self.config
+        if not file_io.valid_key(key) or (
+                self._capacity.limited and total_bytes(buffers) > cfg.max_bytes):
+            return None
+        parts, name = file_io.object_location(key)
+        for attempt in range(2):
+            leaf = self._store.open_dir(parts, cfg.dir_mode, self._umask)
             try:
-                os.utime(path)  # the LRU clock other processes' rescans sort by
-            except OSError:  # evicted meanwhile: the read was still whole
-                pass
-        return size
+                return leaf, file_io.write_temp(leaf, name, buffers, cfg.fsync, cfg.file_mode,
+                                                self._umask)
+            except FileNotFoundError:  # directory removed behind our back: make it again
+                os.close(leaf)
+                if attempt:
+                    raise
+            except BaseException:
+                os.close(leaf)
+                raise
+        raise AssertionError("unreachable")
 
     def _write_one(self, key: str, buffers: Buffers) -> Pending | None:
-        """Write the temp file of one object (not yet visible)."""
-        size = total_bytes(buffers)
-        if not file_io.valid_key(key) or (self._capacity.limited and size > self.config.max_bytes):
+        """A temp file for the capacity's commit to publish."""
+        written = self._write_temp(key, buffers)
+        if written is None:
             return None
-        final = file_io.object_path(self.root, key)
-        directory = os.path.dirname(final)
-        cfg = self.config
-        if directory not in self._known_dirs:
-            file_io.make_fanout_dirs(final, cfg.dir_mode, self._umask)
-            self._known_dirs.add(directory)
-        try:
-            tmp = file_io.write_temp(final, buffers, cfg.fsync, cfg.file_mode, self._umask)
-        except FileNotFoundError:  # directory removed behind our back
-            file_io.make_fanout_dirs(final, cfg.dir_mode, self._umask)
-            tmp = file_io.write_temp(final, buffers, cfg.fsync, cfg.file_mode, self._umask)
-        return Pending(key, final, tmp, size)
+        leaf, tmp = written
+        os.close(leaf)
+        return Pending(key, tmp, total_bytes(buffers))
 
     def _put_one(self, key: str, buffers: Buffers) -> int | None:
         """Write and publish one object (no capacity: no shared lock); its
         bytes, or None: not stored."""
-        pending = self._write_one(key, buffers)
-        if pending is None:
+        written = self._write_temp(key, buffers)
+        if written is None:
             return None
+        leaf, tmp = written
         try:
-            os.replace(pending.tmp, pending.final)
-        except OSError:
-            file_io.discard(pending.tmp)
-            raise
-        if self.config.fsync:
-            file_io.fsync_dir(os.path.dirname(pending.final))
-        return pending.size
+            name = file_io.object_location(key)[1]
+            try:
+                os.replace(tmp, name, src_dir_fd=leaf, dst_dir_fd=leaf)
+            except OSError:
+                file_io.discard(leaf, tmp)
+                raise
+            if self.config.fsync:  # a rename is durable once its directory is
+                os.fsync(leaf)
+        finally:
+            os.close(leaf)
+        return total_bytes(buffers)
 
     def _commit(self, pending: list[Pending]) -> dict[str, bool]:
         try:
             done = self._capacity.commit(pending)
         except Exception:  # noqa: BLE001 - a failed commit is a failed put
             self._note_error("commit")
-            for p in pending:
-                file_io.discard(p.tmp)
+            self._discard(pending)
             done = [False] * len(pending)
         if self.config.fsync:  # a rename is durable once its directory is
-            synced = {d: self._fsync_dir(d) for d, ok in
-                      zip((os.path.dirname(p.final) for p in pending), done) if ok}
-            done = [ok and synced[os.path.dirname(p.final)] for p, ok in zip(pending, done)]
+            dirs = {file_io.object_location(p.key)[0] for p, ok in zip(pending, done) if ok}
+            synced = {d: self._fsync_dir(d) for d in dirs}
+            done = [ok and synced[file_io.object_location(p.key)[0]]
+                    for p, ok in zip(pending, done)]
         return {p.tmp: ok for p, ok in zip(pending, done)}
 
-    def _fsync_dir(self, directory: str) -> bool:
+    def _discard(self, pending: Iterable[Pending]) -> None:
+        for p in pending:
+            try:
+                with self._store.directory(file_io.object_location(p.key)[0]) as leaf:
+                    file_io.discard(leaf, p.tmp)
+            except OSError:  # left for the stale-temp sweep of a rescan
+                pass
+
+    def _fsync_dir(self, parts: tuple[str, str]) -> bool:
         try:
-            file_io.fsync_dir(directory)
+            with self._store.directory(parts) as leaf:
+                os.fsync(leaf)
             return True
         except OSError:
             self._note_error("fsync")
@@ -226,14 +280,13 @@ class FileBackend(StorageBackend):
         except RuntimeError:  # closed meanwhile
             return [None] * len(items)
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self) -> DaemonPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("file backend is closed")
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.config.num_io_threads,
-                                                thread_name_prefix="hicache-file",
-                                                initializer=io_threads.enter_io_thread)
+                # map_slices runs one slice on the calling thread.
+                self._pool = DaemonPool(max(self.config.num_io_threads - 1, 1), "hicache-file")
             return self._pool
 
     def _note_error(self, where: str) -> None:
@@ -244,17 +297,24 @@ class FileBackend(StorageBackend):
                            self.root, where, errors, exc_info=True)
 
 
-def _open_root(cfg: FileBackendConfig, umask: int) -> Capacity:
-    """Check the directory is usable and ours (in a thread, so a hung mount
-    cannot hang start-up) and open its capacity accounting; ValueError if not."""
+def _open_root(cfg: FileBackendConfig, umask: int) -> tuple[StoreDir, Capacity]:
+    """Open and check the directory (in a thread, so a hung mount cannot hang
+    start-up) and its capacity accounting; ValueError if unusable or shared."""
     root = cfg.path
-    outcome: list[Capacity | OSError | ValueError] = []
+    outcome: list[tuple[StoreDir, Capacity] | OSError | ValueError] = []
 
     def probe() -> None:
         try:
-            _probe_writable(cfg, umask)
-            outcome.append(Capacity(root, cfg.max_bytes, cfg.file_mode))
+            store = StoreDir.open(root, dir_mode=cfg.dir_mode, umask=umask,
+                                  allow_shared_dir=cfg.allow_shared_dir, owner=_OWNER)
         except (OSError, ValueError) as err:
+            outcome.append(err)
+            return
+        try:
+            _probe_writable(store, cfg.file_mode, umask)
+            outcome.append((store, Capacity(store, cfg.max_bytes, cfg.file_mode, umask)))
+        except (OSError, ValueError) as err:
+            store.close()
             outcome.append(err)
 
     thread = io_threads.named_thread(probe, "hicache-probe")
@@ -270,16 +330,9 @@ def _open_root(cfg: FileBackendConfig, umask: int) -> Capacity:
     return outcome[0]
 
 
-def _probe_writable(cfg: FileBackendConfig, umask: int) -> None:
-    """Create the directory (``dir_mode``), check who can write it, and prove
-    a file can be created and removed in it."""
-    root = cfg.path
-    parent = os.path.dirname(root)
-    if parent != root:
-        os.makedirs(parent, exist_ok=True)
-    file_io.make_dir(root, cfg.dir_mode, umask)
-    file_io.check_owner(root, cfg.allow_shared_dir)
-    probe = os.path.join(root, f".probe-{uuid.uuid4().hex}")
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cfg.file_mode)
-    os.close(fd)
-    os.unlink(probe)
+def _probe_writable(store: StoreDir, file_mode: int, umask: int) -> None:
+    """Prove a file can be created and removed in the directory."""
+    name = f".probe-{uuid.uuid4().hex}"
+    with store.directory(()) as root:
+        os.close(file_io.create_file(root, name, file_mode, umask))
+        os.unlink(name, dir_fd=root)

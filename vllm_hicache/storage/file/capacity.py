@@ -17,12 +17,20 @@ and the counter reset to what the scan found, which also repairs drift from
 a process that died between a rename and its counter update. A file another
 process already evicted is skipped; a reader holding it open still reads
 the whole object (unlink keeps the inode alive).
+
+The usage file is opened relative to the store's root descriptor with
+``O_NOFOLLOW``, and must be a regular file with one link: a symlink, FIFO or
+hard link planted in its place (by whoever can write a shared directory) is
+refused at start, so the counter's writes never land in another file.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -32,6 +40,9 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 from vllm_hicache.storage.file import io as file_io
+from vllm_hicache.storage.file.store_dir import StoreDir
+
+logger = logging.getLogger(__name__)
 
 _USAGE = struct.Struct("<8sQ")
 _MAGIC = b"HCUSAGE1"
@@ -41,23 +52,27 @@ USAGE_FILE = ".hicache-usage"
 _TOUCH_INTERVAL_NS = 1_000_000_000
 # No write takes this long: an older temp file is a crashed writer's.
 _STALE_TEMP_NS = 3600 * 1_000_000_000
+# close() gives a commit stuck on a hung mount this long before leaving the
+# usage file's descriptor to it.
+_CLOSE_WAIT_S = 1.0
 
 
 class Pending(NamedTuple):
-    """A written temp file waiting to be renamed into place."""
+    """A written temp file (``tmp``: its name in the key's leaf directory)
+    waiting to be renamed into place."""
 
     key: str
-    final: str
     tmp: str
     size: int
 
 
 class Capacity:
-    def __init__(self, root: str, max_bytes: int, file_mode: int = 0o600) -> None:
-        self.root = root
+    def __init__(self, store: StoreDir, max_bytes: int, file_mode: int = 0o600,
+                 umask: int = 0o022) -> None:
+        self.store = store
         # 0 = unlimited: commits skip the shared lock entirely.
         self.max_bytes = max_bytes
-        self._fd = _open_usage_file(os.path.join(root, USAGE_FILE), file_mode)
+        self._fd = _open_usage_file(store, file_mode, umask)
         self._mutex = threading.Lock()
         self._index_lock = threading.Lock()
         # key -> when its file's mtime was last set (time.time_ns()), least
@@ -72,10 +87,16 @@ class Capacity:
         return self.max_bytes > 0
 
     def close(self) -> None:
-        with self._mutex:
+        if not self._mutex.acquire(timeout=_CLOSE_WAIT_S):
+            logger.warning("file L3 at %s: a commit is stuck (hung mount?); its usage file "
+                           "stays open", self.store.path)
+            return
+        try:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+        finally:
+            self._mutex.release()
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -105,7 +126,8 @@ class Capacity:
         """Index every object in the directory, oldest first; their bytes.
         Temp files left by a crashed writer (older than an hour) go too."""
         stale_before_ns = time.time_ns() - _STALE_TEMP_NS
-        found = sorted(file_io.scan_objects(self.root, stale_before_ns), key=lambda o: o.mtime_ns)
+        found = sorted(file_io.scan_objects(self.store, stale_before_ns),
+                       key=lambda o: o.mtime_ns)
         with self._index_lock:
             self._lru = OrderedDict((o.key, o.mtime_ns) for o in found)
         return sum(o.size for o in found)
@@ -148,14 +170,23 @@ class Capacity:
             usage = self._rescan() if usage is None else usage
             protected = {p.key for p in pending}
             for p in pending:
-                delta = p.size - _size_or_zero(p.final)
-                usage = self._make_room(usage, delta, protected)
-                ok = usage + delta <= self.max_bytes and _replace(p)
-                if ok:
-                    usage += delta
-                    self._written(p.key)
-                else:
-                    file_io.discard(p.tmp)
+                parts, name = file_io.object_location(p.key)
+                try:
+                    leaf = self.store.open_dir(parts)
+                except OSError:  # its directory went away (or is a symlink now)
+                    done.append(False)
+                    continue
+                try:
+                    delta = p.size - (file_io.regular_size(leaf, name) or 0)
+                    usage = self._make_room(usage, delta, protected)
+                    ok = usage + delta <= self.max_bytes and _replace(leaf, p.tmp, name)
+                    if ok:
+                        usage += delta
+                        self._written(p.key)
+                    else:
+                        file_io.discard(leaf, p.tmp)
+                finally:
+                    os.close(leaf)
                 done.append(ok)
             self._write_usage(usage)
         return done
@@ -171,52 +202,72 @@ class Capacity:
                     break
                 usage, rescanned = self._rescan(), True
                 continue
-            path = file_io.object_path(self.root, key)
-            try:
-                size = os.stat(path).st_size
-                os.unlink(path)
-            except OSError:  # evicted by another process already
+            size = self._evict(key)
+            if size is None:  # evicted by another process already
                 continue
             usage -= size
             self.evictions += 1
             self.evicted_bytes += size
         return usage
 
+    def _evict(self, key: str) -> int | None:
+        """Unlink ``key``'s object; its bytes, or None if it was not there."""
+        parts, name = file_io.object_location(key)
+        try:
+            with self.store.directory(parts) as leaf:
+                size = file_io.regular_size(leaf, name)
+                if size is not None:
+                    os.unlink(name, dir_fd=leaf)
+                return size
+        except OSError:
+            return None
+
     def clear(self) -> None:
         """Remove every object (every process's) and zero the counter."""
         with self._locked():
-            file_io.remove_ours(self.root)
+            file_io.remove_ours(self.store)
             with self._index_lock:
                 self._lru.clear()
             self._write_usage(0)
 
 
-def _size_or_zero(path: str) -> int:
+def _replace(dir_fd: int, tmp: str, final: str) -> bool:
     try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
-
-
-def _replace(p: Pending) -> bool:
-    try:
-        os.replace(p.tmp, p.final)
+        os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         return True
     except OSError:
-        file_io.discard(p.tmp)
+        file_io.discard(dir_fd, tmp)
         return False
 
 
-def _open_usage_file(path: str, mode: int) -> int:
-    """Open (creating it with exactly ``mode``) the shared accounting file."""
-    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+def _open_usage_file(store: StoreDir, mode: int, umask: int) -> int:
+    """Open (creating it with exactly ``mode``) the shared accounting file;
+    ValueError if something else than a plain file of ours is in its place."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    with store.directory(()) as root:
+        try:
+            fd = file_io.create_file(root, USAGE_FILE, mode, umask)
+            os.close(fd)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(USAGE_FILE, flags, dir_fd=root)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise ValueError(f"file backend: refusing {store.path}/{USAGE_FILE}: it is a "
+                             "symlink, and its writes would land in another file; remove it, "
+                             "and check who else can write the directory") from None
     try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
-    except FileExistsError:
-        return os.open(path, flags)
-    try:
-        os.fchmod(fd, mode)  # once per directory: the umask may have stripped bits
-    except OSError:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise ValueError(
+                f"file backend: refusing {store.path}/{USAGE_FILE}: it is not a plain file "
+                f"with one link ({stat.filemode(st.st_mode)}, {st.st_nlink} links), so writing it "
+                "could change another file; remove it, and check who else can write the "
+                "directory")
+        fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # blocking again: it is a regular file
+    except BaseException:
         os.close(fd)
         raise
     return fd

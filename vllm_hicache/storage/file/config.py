@@ -36,10 +36,13 @@ class FileBackendConfig(Options):
     fsync: bool = option(False, parse=flag)
     # Permissions of the files and directories the backend creates, exactly
     # (the umask does not apply), as octal strings. Owner-only by default;
-    # e.g. "0660"/"0770" for a store shared by a group.
+    # e.g. "0660"/"0770" for a store shared by a group, which also needs
+    # allow_shared_dir (modes letting others write are refused without it).
     file_mode: int = option(0o600, parse=permissions(0o600))
     dir_mode: int = option(0o700, parse=permissions(0o700))
-    # Accept a store directory that others can write to (world-writable, or
-    # owned by another user); refused otherwise, as anyone who can write it
-    # can replace objects (storage_secret makes such objects misses).
+    # Accept a store directory that others can write to (owned by another
+    # user, group- or world-writable, or an ACL granting write; a root symlink
+    # owned by another user), and modes letting others write; refused
+    # otherwise, as anyone who can write it can replace objects
+    # (storage_secret makes such objects misses).
     allow_shared_dir: bool = option(False, parse=flag)

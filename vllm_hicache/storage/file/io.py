@@ -1,5 +1,10 @@
-"""File I/O for the ``file`` backend: key -> path, whole-object reads and
+"""File I/O for the ``file`` backend: key -> location, whole-object reads and
 atomic writes with scatter/gather system calls, directory scans.
+
+Every function works relative to an open directory (store_dir.py) and opens
+files with ``O_NOFOLLOW``: a symlink at an object's name is a miss, never
+followed. Reads open with ``O_NONBLOCK`` and ``fstat`` before reading, so a
+FIFO or device planted at an object's name is a miss too, never a hang.
 
 Every object is written to a unique temp file next to its final name and
 then renamed over it, so a reader opens either the old whole object or the
@@ -7,13 +12,14 @@ new one. A reader keeps reading the inode it opened even if the name is
 replaced or unlinked meanwhile, so a concurrent eviction yields either the
 complete object or a miss, never a mix.
 
-Files and directories are created with the backend's ``file_mode`` and
-``dir_mode`` exactly: where the process umask would strip bits the mode asks
-for, the new file or directory is chmod-ed (one more call only then).
+Files are created with the backend's ``file_mode`` exactly: where the
+process umask would strip bits the mode asks for, the new file is chmod-ed
+(one more call only then).
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import re
@@ -26,6 +32,7 @@ import numpy as np
 from typing_extensions import Buffer
 
 from vllm_hicache.storage.buffers import total_bytes
+from vllm_hicache.storage.file.store_dir import StoreDir
 
 # Keys are the project's object keys ([a-z0-9-], ~120 chars); '_' is allowed
 # for user backends' keys. No '/', '.', or uppercase, so a key can name
@@ -37,8 +44,9 @@ _OBJECT_NAME = re.compile(r"([a-z0-9_-]{1,200})\.hckv")
 _TEMP_NAME = re.compile(r"\.[a-z0-9_-]{1,200}\.[0-9a-f]{16}\.tmp")
 _FANOUT_NAME = re.compile(r"[0-9a-f]{2}")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-# Objects are plain files we wrote: a symlink in their place is not followed.
-_O_READ = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+# O_NONBLOCK: opening a FIFO for reading would wait for a writer.
+_O_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | _O_CLOEXEC
+_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC
 # Temp names: a random per-process prefix (processes on several machines may
 # share the directory, so no pid) + a counter (next() is atomic under the GIL).
 _TEMP_PREFIX = os.urandom(4).hex()
@@ -49,12 +57,18 @@ def valid_key(key: object) -> bool:
     return isinstance(key, str) and KEY_RE.fullmatch(key) is not None
 
 
-def object_path(root: str, key: str) -> str:
-    """``root/aa/bb/<key>.hckv``: two levels of 256 directories, picked by the
-    key's CRC-32 (spread, not security: the key is already validated), keep
-    every directory small."""
+def object_location(key: str) -> tuple[tuple[str, str], str]:
+    """``(("aa", "bb"), "<key>.hckv")``: two levels of 256 directories, picked
+    by the key's CRC-32 (spread, not security: the key is already validated),
+    keep every directory small."""
     h = zlib.crc32(key.encode())
-    return f"{root}/{h >> 8 & 0xFF:02x}/{h & 0xFF:02x}/{key}{OBJECT_SUFFIX}"
+    return (f"{h >> 8 & 0xFF:02x}", f"{h & 0xFF:02x}"), f"{key}{OBJECT_SUFFIX}"
+
+
+def object_path(root: str, key: str) -> str:
+    """``root/aa/bb/<key>.hckv``, for messages and tests (I/O goes by location)."""
+    (top, leaf), name = object_location(key)
+    return f"{root}/{top}/{leaf}/{name}"
 
 
 def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
@@ -71,20 +85,43 @@ def _advance(views: list[memoryview], done: int) -> list[memoryview]:
     return views
 
 
-def read_object(path: str, buffers: Sequence[np.ndarray]) -> int:
-    """Fill ``buffers`` from the object at ``path``: its size if the file is
-    exactly ``total_bytes(buffers)`` long and was read whole, else -1
-    (missing, shorter, longer, unreadable)."""
+def open_regular(dir_fd: int, name: str) -> tuple[int, int] | None:
+    """``(fd, size)`` of regular file ``name`` in ``dir_fd``, open for reading
+    in blocking mode; None if it is missing, a symlink, a FIFO, a device...
+    Never waits for a FIFO's writer."""
     try:
-        fd = os.open(path, _O_READ)
+        fd = os.open(name, _O_READ, dir_fd=dir_fd)
     except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            # Regular files ignore O_NONBLOCK today; open(2) warns that may
+            # change, and NIXL's async engines must never see EAGAIN.
+            fcntl.fcntl(fd, fcntl.F_SETFL, 0)
+            return fd, st.st_size
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def read_object(dir_fd: int, name: str, buffers: Sequence[np.ndarray]) -> int:
+    """Fill ``buffers`` from object file ``name`` in ``dir_fd``: its size if
+    the file is regular, exactly ``total_bytes(buffers)`` long and was read
+    whole, else -1 (missing, not a regular file, shorter, longer, unreadable)."""
+    opened = open_regular(dir_fd, name)
+    if opened is None:
         return -1
+    fd, size = opened
     try:
         expected = total_bytes(buffers)
-        # One byte past the end: a longer file fills it. A regular file reads
-        # short only at EOF (or on a signal, or past 2 GiB per call), so a
-        # read that stops at ``expected`` found the end, and a shorter one is
-        # resumed until it progresses no more: no fstat needed to check size.
+        if size != expected:
+            return -1
+        # One byte past the end: a file that grew since the fstat fills it.
+        # A regular file reads short only at EOF (or on a signal, or past
+        # 2 GiB per call), so a shorter read is resumed until it progresses
+        # no more.
         views: list[Buffer] = [*buffers, bytearray(1)]
         done = os.preadv(fd, views, 0)
         while done < expected:
@@ -95,6 +132,16 @@ def read_object(path: str, buffers: Sequence[np.ndarray]) -> int:
         return expected if done == expected else -1
     finally:
         os.close(fd)
+
+
+def regular_size(dir_fd: int, name: str) -> int | None:
+    """Size of ``name`` in ``dir_fd`` if it is a regular file (a symlink is not
+    followed), else None."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def process_umask() -> int:
@@ -111,56 +158,28 @@ def process_umask() -> int:
     return mask
 
 
-def make_dir(path: str, mode: int, umask: int) -> bool:
-    """Create directory ``path`` with exactly ``mode``; False if it existed."""
-    try:
-        os.mkdir(path, mode)
-    except FileExistsError:
-        return False
+def create_file(dir_fd: int, name: str, mode: int, umask: int) -> int:
+    """A new file ``name`` in ``dir_fd`` with exactly ``mode``, open for
+    writing (FileExistsError if the name is taken, by anything)."""
+    fd = os.open(name, _O_CREATE, mode, dir_fd=dir_fd)
     if mode & umask:
-        os.chmod(path, mode)
-    return True
-
-
-def make_fanout_dirs(final: str, mode: int, umask: int) -> None:
-    """The ``aa/bb`` directories of object path ``final`` (root must exist)."""
-    leaf = os.path.dirname(final)
-    make_dir(os.path.dirname(leaf), mode, umask)
-    make_dir(leaf, mode, umask)
-
-
-def check_owner(root: str, allow_shared_dir: bool, owner: str = "file backend") -> None:
-    """ValueError if others can write ``root`` (and that is not allowed);
-    ``owner`` names the backend in the message."""
-    st = os.stat(root)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"{owner} option path={root!r} is not a directory")
-    problems = []
-    if st.st_mode & stat.S_IWOTH:
-        problems.append(f"it is writable by every user (mode {stat.S_IMODE(st.st_mode):04o})")
-    if st.st_uid != os.geteuid():
-        problems.append(f"it is owned by uid {st.st_uid}, not by this process (uid "
-                        f"{os.geteuid()})")
-    if problems and not allow_shared_dir:
-        raise ValueError(
-            f"{owner}: refusing directory {root!r}: {' and '.join(problems)}, so others "
-            "can replace its objects. Use a directory of your own (chmod o-w), or set "
-            "allow_shared_dir: true (then set storage_secret, so objects others plant are misses)"
-        )
-
-
-def write_temp(final: str, buffers: Sequence[np.ndarray], fsync: bool,
-               mode: int = 0o600, umask: int = 0o022) -> str:
-    """Write ``buffers`` to a fresh temp file beside ``final`` with
-    permissions ``mode``; its path. The directory must exist
-    (FileNotFoundError otherwise)."""
-    head, name = os.path.split(final)
-    unique = f"{_TEMP_PREFIX}{next(_temp_ids) & 0xFFFFFFFF:08x}"
-    tmp = f"{head}/.{name[: -len(OBJECT_SUFFIX)]}.{unique}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, mode)
-    try:
-        if mode & umask:
+        try:
             os.fchmod(fd, mode)
+        except BaseException:
+            os.close(fd)
+            discard(dir_fd, name)
+            raise
+    return fd
+
+
+def write_temp(dir_fd: int, final: str, buffers: Sequence[np.ndarray], fsync: bool,
+               mode: int = 0o600, umask: int = 0o022) -> str:
+    """Write ``buffers`` to a fresh temp file beside object file ``final`` in
+    ``dir_fd`` with permissions ``mode``; the temp file's name."""
+    unique = f"{_TEMP_PREFIX}{next(_temp_ids) & 0xFFFFFFFF:08x}"
+    tmp = f".{final[: -len(OBJECT_SUFFIX)]}.{unique}.tmp"
+    fd = create_file(dir_fd, tmp, mode, umask)
+    try:
         expected, done = total_bytes(buffers), os.writev(fd, buffers)
         while done < expected:  # short write: resume after what landed
             n = os.writev(fd, _advance(_views(buffers), done))
@@ -171,91 +190,107 @@ def write_temp(final: str, buffers: Sequence[np.ndarray], fsync: bool,
             os.fsync(fd)
     except BaseException:
         os.close(fd)
-        discard(tmp)
+        discard(dir_fd, tmp)
         raise
     os.close(fd)
     return tmp
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+def discard(dir_fd: int, name: str) -> None:
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def discard(path: str) -> None:
-    try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
 
 
 class ObjectFile(NamedTuple):
     key: str
-    path: str
     size: int
     mtime_ns: int
 
 
-def _fanout_dirs(root: str) -> Iterator[str]:
-    """The ``aa/bb`` directories under ``root`` (never following symlinks)."""
-    for top in _subdirs(root):
-        yield from _subdirs(top)
-
-
-def _subdirs(path: str) -> Iterator[str]:
+def _fanout_names(dir_fd: int) -> list[str]:
+    """Names of the fan-out directories in ``dir_fd`` (symlinks left out)."""
     try:
-        with os.scandir(path) as it:
-            entries = [e for e in it if _FANOUT_NAME.fullmatch(e.name)]
+        with os.scandir(dir_fd) as it:
+            return [e.name for e in it
+                    if _FANOUT_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def _leaf_dirs(store: StoreDir) -> Iterator[int]:
+    """An open descriptor of each ``aa/bb`` directory (closed after the
+    consumer's step); one swapped for a symlink meanwhile is skipped."""
+    try:
+        with store.directory(()) as root:
+            tops = _fanout_names(root)
     except OSError:
         return
-    for entry in entries:
-        if entry.is_dir(follow_symlinks=False):
-            yield entry.path
-
-
-def scan_objects(root: str, stale_temp_before_ns: int = 0) -> list[ObjectFile]:
-    """Every object file under ``root``; temp files last modified before
-    ``stale_temp_before_ns`` are removed on the way."""
-    found = []
-    for directory in _fanout_dirs(root):
+    for top in tops:
         try:
-            with os.scandir(directory) as it:
-                entries = [e for e in it if e.is_file(follow_symlinks=False)]
+            with store.directory((top,)) as top_fd:
+                leaves = _fanout_names(top_fd)
         except OSError:
             continue
-        for entry in entries:
-            match = _OBJECT_NAME.fullmatch(entry.name)
+        for leaf in leaves:
             try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:  # removed since listed
+                fd = store.open_dir((top, leaf))
+            except OSError:
                 continue
-            if match is not None:
-                found.append(ObjectFile(match[1], entry.path, st.st_size, st.st_mtime_ns))
-            elif _TEMP_NAME.fullmatch(entry.name) and st.st_mtime_ns < stale_temp_before_ns:
-                discard(entry.path)
+            try:
+                yield fd
+            finally:
+                os.close(fd)
+
+
+def _entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of everything but directories in ``dir_fd``."""
+    found: list[tuple[str, os.stat_result]] = []
+    try:
+        with os.scandir(dir_fd) as it:
+            entries = list(it)
+    except OSError:
+        return found
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:  # removed since listed
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            found.append((entry.name, st))
     return found
 
 
-def remove_ours(root: str) -> int:
-    """Unlink every object and temp file under ``root``; bytes of objects removed."""
+def scan_objects(store: StoreDir, stale_temp_before_ns: int = 0) -> list[ObjectFile]:
+    """Every object file in the store; temp files last modified before
+    ``stale_temp_before_ns`` are removed on the way."""
+    found = []
+    for leaf in _leaf_dirs(store):
+        for name, st in _entries(leaf):
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            match = _OBJECT_NAME.fullmatch(name)
+            if match is not None:
+                found.append(ObjectFile(match[1], st.st_size, st.st_mtime_ns))
+            elif _TEMP_NAME.fullmatch(name) and st.st_mtime_ns < stale_temp_before_ns:
+                discard(leaf, name)
+    return found
+
+
+def remove_ours(store: StoreDir) -> int:
+    """Unlink everything named like an object or temp file in the store (a
+    planted symlink or FIFO too: unlinking follows nothing); bytes of
+    objects removed."""
     removed = 0
-    for directory in _fanout_dirs(root):
-        try:
-            with os.scandir(directory) as it:
-                names = [e for e in it if not e.is_dir(follow_symlinks=False)]
-        except OSError:
-            continue
-        for entry in names:
-            is_object = _OBJECT_NAME.fullmatch(entry.name) is not None
-            if not (is_object or _TEMP_NAME.fullmatch(entry.name)):
+    for leaf in _leaf_dirs(store):
+        for name, st in _entries(leaf):
+            is_object = _OBJECT_NAME.fullmatch(name) is not None
+            if not (is_object or _TEMP_NAME.fullmatch(name)):
                 continue
             try:
-                size = entry.stat(follow_symlinks=False).st_size
-                os.unlink(entry.path)
+                os.unlink(name, dir_fd=leaf)
             except OSError:
                 continue
-            removed += size if is_object else 0
+            removed += st.st_size if is_object and stat.S_ISREG(st.st_mode) else 0
     return removed

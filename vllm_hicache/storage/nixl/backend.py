@@ -137,6 +137,7 @@ class NixlBackend(StorageBackend):
             self._closed = True
         self._engine.close()
         self._staging.close(leak=self._engine.num_parked > 0)
+        self._store.close()
 
     def _note_error(self, op: str, num_keys: int) -> None:
         """A call that raised inside: counted; logged with its traceback at

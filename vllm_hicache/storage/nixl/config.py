@@ -63,8 +63,9 @@ class NixlConfig(Options):
         default_factory=lambda: dict(_DEFAULT_POSIX_PARAMS), parse=string_map)
     # POSIX: permissions of the files and directories the store creates,
     # exactly (the umask does not apply), as the file backend's: owner-only
-    # by default, e.g. "0660"/"0770" for a store shared by a group; a store
-    # directory others can write to is refused unless allow_shared_dir.
+    # by default, e.g. "0660"/"0770" with allow_shared_dir for a store shared
+    # by a group. Modes letting others write, or a store directory others can
+    # write (owner, group, world, ACL), are refused unless allow_shared_dir.
     file_mode: int = option(0o600, parse=permissions(0o600))
     dir_mode: int = option(0o700, parse=permissions(0o700))
     allow_shared_dir: bool = option(False, parse=flag)

@@ -56,6 +56,9 @@ class ObjStore:
     def address(self) -> str:
         return f"s3://{self.bucket}/{self.prefix} at {self.endpoint}"
 
+    def close(self) -> None:
+        self._s3.close()
+
     def _check_bucket(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
 

@@ -22,8 +22,14 @@ Invariants:
   the read completed within the call.
 - ``clear`` removes only object files and temp files in the fan-out directories.
 - Files are created ``file_mode`` (0600) and directories ``dir_mode`` (0700)
-  exactly, whatever the umask (the file backend's helpers), and a store
-  directory others can write to is refused unless ``allow_shared_dir``.
+  exactly, whatever the umask, and a store directory others can write to
+  (owner, group, world, ACL), or modes letting others write, are refused
+  unless ``allow_shared_dir`` (the file backend's checks, file/access.py).
+- The root is held open from start to close and every name is resolved
+  relative to it, one component at a time, never following a symlink
+  (file/store_dir.py). An object is opened ``O_NONBLOCK`` and must be a
+  regular file: a symlink, FIFO or device at its name is a miss, never a
+  hang.
 """
 
 from __future__ import annotations
@@ -39,59 +45,78 @@ from functools import partial
 from vllm_hicache.storage.base import Buffers
 from vllm_hicache.storage.buffers import address, gather, scatter, total_bytes
 from vllm_hicache.storage.file import io as file_io
+from vllm_hicache.storage.file.access import check_modes
+from vllm_hicache.storage.file.store_dir import StoreDir
 from vllm_hicache.storage.nixl.config import NixlConfig
 from vllm_hicache.storage.nixl.engine import Job, NixlEngine
 from vllm_hicache.storage.nixl.staging import StagingSlots
 
 _KEY = re.compile(r"[a-z0-9][a-z0-9_-]{0,199}")
 _FAN_OUT = 256
+_OWNER = "nixl backend (POSIX)"
 
 
 class PosixStore:
     def __init__(self, engine: NixlEngine, staging: StagingSlots, config: NixlConfig) -> None:
         self.engine = engine
         self.staging = staging
-        self.root = os.path.abspath(str(config.path))
+        path = os.path.abspath(str(config.path))
         self._file_mode, self._dir_mode = config.file_mode, config.dir_mode
         self._umask = file_io.process_umask()
         self._seq = itertools.count()
+        check_modes(self._file_mode, self._dir_mode, config.allow_shared_dir, _OWNER)
         try:
-            os.makedirs(os.path.dirname(self.root), exist_ok=True)
-            file_io.make_dir(self.root, self._dir_mode, self._umask)
-            file_io.check_owner(self.root, config.allow_shared_dir, "nixl backend (POSIX)")
-            for i in range(_FAN_OUT):
-                file_io.make_dir(os.path.join(self.root, f"{i:02x}"), self._dir_mode, self._umask)
-            probe = self._temp_path("probe")
-            fd = self._create(probe)
-            if fd is None:
-                raise OSError(f"cannot create {probe}")
-            os.close(fd)
-            os.unlink(probe)
+            self._store = StoreDir.open(path, dir_mode=self._dir_mode, umask=self._umask,
+                                        allow_shared_dir=config.allow_shared_dir, owner=_OWNER)
         except OSError as err:
-            raise ValueError(f"nixl backend (POSIX): cannot use directory path={self.root!r}: "
+            raise ValueError(f"{_OWNER}: cannot use directory path={path!r}: {err}") from err
+        self.root = self._store.path
+        try:
+            for i in range(_FAN_OUT):
+                os.close(self._store.open_dir((f"{i:02x}",), self._dir_mode, self._umask))
+            probe = self._temp_name("probe")
+            fd = self._create("probe", probe)
+            if fd is None:
+                raise OSError(f"cannot create {probe} in {self._fan_out('probe')}/")
+            os.close(fd)
+            self._unlink("probe", probe)
+        except OSError as err:
+            self._store.close()
+            raise ValueError(f"{_OWNER}: cannot use directory path={self.root!r}: "
                              f"{err}") from err
 
     @property
     def address(self) -> str:
         return self.root
 
-    # Paths are f-strings, not os.path.join: they are built once per object on
+    def close(self) -> None:
+        """The root closes once no operation is using it."""
+        self._store.close()
+
+    # Names are f-strings, not os.path.join: they are built once per object on
     # the hot path (1024 x 64 KiB reads from the page cache take ~20 ms).
-    def _dir(self, key: str) -> str:
-        return f"{self.root}/{zlib.crc32(key.encode()) & 0xFF:02x}"
+    @staticmethod
+    def _fan_out(key: str) -> str:
+        return f"{zlib.crc32(key.encode()) & 0xFF:02x}"
 
-    def _final_path(self, key: str) -> str:
-        return f"{self.root}/{zlib.crc32(key.encode()) & 0xFF:02x}/{key}"
+    def object_path(self, key: str) -> str:
+        """``root/xx/<key>``, for messages and tests (I/O goes by descriptor)."""
+        return f"{self.root}/{self._fan_out(key)}/{key}"
 
-    def _temp_path(self, key: str) -> str:
-        tag = f"{os.getpid()}.{threading.get_ident()}.{next(self._seq)}"
-        return f"{self._dir(key)}/.{key}.{tag}.tmp"
+    def _temp_name(self, key: str) -> str:
+        return f".{key}.{os.getpid()}.{threading.get_ident()}.{next(self._seq)}.tmp"
 
     # --- operations ----------------------------------------------------------
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         for i, key in enumerate(keys):
-            if not (_KEY.fullmatch(key) and os.path.isfile(self._final_path(key))):
+            if not _KEY.fullmatch(key):
+                return i
+            try:
+                with self._store.directory((self._fan_out(key),)) as d:
+                    if file_io.regular_size(d, key) is None:
+                        return i
+            except OSError:  # its directory is gone or a symlink
                 return i
         return len(keys)
 
@@ -110,27 +135,33 @@ class PosixStore:
     def clear(self) -> None:
         for i in range(_FAN_OUT):
             try:
-                entries = list(os.scandir(f"{self.root}/{i:02x}"))
-            except FileNotFoundError:
+                with self._store.directory((f"{i:02x}",)) as d:
+                    with os.scandir(d) as it:
+                        names = [e.name for e in it
+                                 if _is_ours(e.name) and not e.is_dir(follow_symlinks=False)]
+                    for name in names:
+                        try:
+                            os.unlink(name, dir_fd=d)
+                        except FileNotFoundError:
+                            pass  # removed by another process meanwhile
+            except OSError:  # gone, or a symlink: nothing of ours in it
                 continue
-            for entry in entries:
-                if _is_ours(entry.name) and entry.is_file(follow_symlinks=False):
-                    try:
-                        os.unlink(entry.path)
-                    except FileNotFoundError:
-                        pass  # removed by another process meanwhile
 
     # --- jobs ------------------------------------------------------------------
 
     def _read_job(self, key: str, target: Buffers) -> Job | None:
         total = total_bytes(target)
         try:
-            fd = os.open(self._final_path(key), os.O_RDONLY | os.O_CLOEXEC)
+            with self._store.directory((self._fan_out(key),)) as d:
+                opened = file_io.open_regular(d, key)
         except OSError:
             return None
+        if opened is None:
+            return None
+        fd, size = opened
         slot = None
         try:
-            if not total or os.fstat(fd).st_size != total:
+            if not total or size != total:
                 raise OSError("no object of this size")
             self.engine.register_fd(fd)
             slot = self.staging.take(total)
@@ -151,40 +182,36 @@ class PosixStore:
 
         return Job([(address(slot), total)], [(0, total, fd)], finish, keep=slot)
 
-    def _create(self, path: str) -> int | None:
-        """A new file with exactly ``file_mode``; its fan-out directory is made
-        again if someone removed it. None if it cannot be created."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    def _create(self, key: str, name: str) -> int | None:
+        """A new file ``name`` in ``key``'s fan-out directory with exactly
+        ``file_mode`` (the directory is made again if someone removed it).
+        None if it cannot be created."""
         for attempt in range(2):
             try:
-                fd = os.open(path, flags, self._file_mode)
-            except FileNotFoundError:
+                with self._store.directory((self._fan_out(key),), self._dir_mode,
+                                           self._umask) as d:
+                    return file_io.create_file(d, name, self._file_mode, self._umask)
+            except FileNotFoundError:  # the directory went between open and create
                 if attempt:
                     return None
-                try:
-                    file_io.make_dir(os.path.dirname(path), self._dir_mode, self._umask)
-                except OSError:
-                    return None
-                continue
             except OSError:
                 return None
-            if self._file_mode & self._umask:
-                try:
-                    os.fchmod(fd, self._file_mode)
-                except OSError:
-                    os.close(fd)
-                    _unlink(path)
-                    return None
-            return fd
         return None
+
+    def _unlink(self, key: str, name: str) -> None:
+        try:
+            with self._store.directory((self._fan_out(key),)) as d:
+                os.unlink(name, dir_fd=d)
+        except OSError:
+            pass  # clear() got there first, or the directory is gone
 
     def _write_job(self, key: str, source: Buffers) -> Job | None:
         total = total_bytes(source)
         slot = self.staging.take(total) if total else None
         if slot is None:
             return None
-        temp = self._temp_path(key)
-        fd = self._create(temp)
+        temp = self._temp_name(key)
+        fd = self._create(key, temp)
         try:
             if fd is None:
                 raise OSError("cannot create the temp file")
@@ -193,7 +220,7 @@ class PosixStore:
             self.staging.give(slot)
             if fd is not None:
                 os.close(fd)
-                _unlink(temp)
+                self._unlink(key, temp)
             return None
         gather(source, slot)
         return Job([(address(slot), total)], [(0, total, fd)],
@@ -206,23 +233,15 @@ class PosixStore:
             ok = ok and os.fstat(fd).st_size == total
         finally:
             os.close(fd)
-        try:
-            if ok:
-                os.replace(temp, self._final_path(key))
+        if ok:
+            try:
+                with self._store.directory((self._fan_out(key),)) as d:
+                    os.replace(temp, key, src_dir_fd=d, dst_dir_fd=d)
                 return True
-        except OSError:
-            pass
-        _unlink(temp)
+            except OSError:
+                pass
+        self._unlink(key, temp)
         return False
-
-
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass  # clear() got there first
 
 
 def _is_ours(name: str) -> bool:

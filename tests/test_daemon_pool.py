@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hicache.common.daemon_pool import DaemonPool
+from vllm_hicache.daemon_pool import DaemonPool
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_results_errors_and_cancellation():
 def test_a_stuck_call_does_not_hold_up_exit():
     script = (
         "import threading\n"
-        "from vllm_hicache.common.daemon_pool import DaemonPool\n"
+        "from vllm_hicache.daemon_pool import DaemonPool\n"
         "pool = DaemonPool(1, 'stuck')\n"
         "pool.submit(threading.Event().wait)\n"  # never returns
         "pool.shutdown(wait=True, timeout_s=0.2)\n"

@@ -1,0 +1,159 @@
+"""The store's root directory, held open: its path is resolved once, at start.
+
+``StoreDir.open`` opens the root with ``O_DIRECTORY | O_NOFOLLOW`` and checks
+who can write it on that descriptor (access.py). Every later operation names
+files relative to the descriptor, reaching subdirectories one component at a
+time with ``O_DIRECTORY | O_NOFOLLOW``, and files are opened with
+``O_NOFOLLOW`` by their callers. Hence:
+
+- re-pointing the configured path after start (a symlink swapped, a parent
+  renamed) changes nothing: objects keep going to the directory checked;
+- a symlink planted anywhere below the root is never followed: the operation
+  fails (a miss, a failed put), nothing is read or written elsewhere.
+
+A configured path that is itself a symlink is resolved once at start, and
+only if this user owns the link (or ``allow_shared_dir``): whoever owns the
+link chooses the directory. The directory it names is checked like any other.
+
+The root descriptor outlives ``close`` while an operation is still using it
+(a thread stuck on a hung mount): closing it under that thread could hand its
+number to another file, which the thread's next ``openat`` would then use.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from vllm_hicache.storage.file.access import check_store_dir
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC
+
+
+class StoreDir:
+    def __init__(self, fd: int, path: str) -> None:
+        """Take ownership of ``fd``, the open root (``path`` is for messages)."""
+        self.path = path
+        self._fd = fd
+        self._users = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: str, *, dir_mode: int, umask: int, allow_shared_dir: bool,
+             owner: str) -> StoreDir:
+        """Create ``path`` if missing (``dir_mode`` exactly), open and check it;
+        ValueError if others can write it, OSError if it cannot be used."""
+        parent = os.path.dirname(path)
+        if parent != path:
+            os.makedirs(parent, exist_ok=True)
+        try:
+            os.mkdir(path, dir_mode)
+            created = True
+        except FileExistsError:
+            created = False
+        fd, resolved = _open_root(path, allow_shared_dir, owner)
+        try:
+            if created and dir_mode & umask:
+                os.fchmod(fd, dir_mode)
+            check_store_dir(fd, resolved, allow_shared_dir, owner)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, resolved)
+
+    def open_dir(self, names: Sequence[str], mode: int | None = None, umask: int = 0) -> int:
+        """A new descriptor (the caller closes it) of directory ``root/names[0]/...``,
+        no component a symlink (OSError: ELOOP). Missing components are created
+        with exactly ``mode`` if given, else FileNotFoundError."""
+        with self._use() as root:
+            fd = root
+            try:
+                for name in names:
+                    sub = _open_subdir(fd, name, mode, umask)
+                    if fd != root:
+                        os.close(fd)
+                    fd = sub
+            except BaseException:
+                if fd != root:
+                    os.close(fd)
+                raise
+            return fd if fd != root else os.dup(root)
+
+    @contextmanager
+    def directory(self, names: Sequence[str], mode: int | None = None,
+                  umask: int = 0) -> Iterator[int]:
+        """``open_dir`` for a ``with`` block, closed after it."""
+        fd = self.open_dir(names, mode, umask)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """No new operation starts; the descriptor closes when the last one ends."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            idle = not self._users
+        if idle:
+            os.close(self._fd)
+
+    @contextmanager
+    def _use(self) -> Iterator[int]:
+        with self._lock:
+            if self._closed:
+                raise OSError(errno.EBADF, f"store directory {self.path!r} is closed")
+            self._users += 1
+        try:
+            yield self._fd
+        finally:
+            with self._lock:
+                self._users -= 1
+                last = self._closed and not self._users
+            if last:
+                os.close(self._fd)
+
+
+def _open_root(path: str, allow_shared_dir: bool, owner: str) -> tuple[int, str]:
+    """The root open without following a final symlink (a link we own is
+    resolved once); (descriptor, path of what was opened)."""
+    try:
+        return os.open(path, DIR_FLAGS), path
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.ENOTDIR) or not os.path.islink(path):
+            raise
+    link = os.lstat(path)
+    target = os.path.realpath(path)
+    if link.st_uid != os.geteuid() and not allow_shared_dir:
+        raise ValueError(
+            f"{owner}: refusing path {path!r}: it is a symlink owned by uid {link.st_uid}, "
+            f"who can re-point it; configure the directory it names ({target!r}) instead, "
+            "or set allow_shared_dir: true")
+    return os.open(target, DIR_FLAGS), target
+
+
+def _open_subdir(dir_fd: int, name: str, mode: int | None, umask: int) -> int:
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if mode is None:
+            raise
+    try:
+        os.mkdir(name, mode, dir_fd=dir_fd)
+        created = True
+    except FileExistsError:  # another thread or process made it meanwhile
+        created = False
+    fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    if created and mode & umask:  # the umask stripped bits ``mode`` asks for
+        try:
+            os.fchmod(fd, mode)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
