@@ -17,10 +17,30 @@ from tests.storage.conformance import empty, keys, make, obj, same
 from tests.storage.file.fixtures import backend, build, root, spec  # noqa: F401
 from tests.storage.test_sealed_pages import make_pages  # noqa: F401
 from vllm_hicache.l3.canary import UNAVAILABLE, canary_hash, run_canary
+from vllm_hicache.storage.file import beneath
 from vllm_hicache.storage.file import io as file_io
 from vllm_hicache.storage.file.capacity import USAGE_FILE
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def openat2_works() -> bool:
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return beneath.available(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture(autouse=True, params=["openat2", "walk"])
+def resolution(request, monkeypatch):
+    """Every attack against both ways of reaching a file: one openat2 call
+    where the kernel has it, the component walk elsewhere."""
+    if request.param == "walk":
+        monkeypatch.setattr(beneath, "available", lambda fd: False)
+    elif not openat2_works():
+        pytest.skip("this kernel or sandbox has no openat2")
+    return request.param
 
 # A hang shows as a thread still running after this long; an answer under
 # load takes far less (the test names the time it measured).
@@ -216,7 +236,7 @@ def test_close_does_not_wait_for_a_hung_io_thread(build, monkeypatch):
     ks = keys(2)
     assert b.put(ks, [obj(0), obj(1)]) == [True, True]
     stuck, release = threading.Event(), threading.Event()
-    real_read = file_io.read_object
+    real_read = file_io.read_whole
 
     def hang_on_pool(*args):
         if threading.current_thread().name.startswith("hicache-file"):
@@ -224,7 +244,7 @@ def test_close_does_not_wait_for_a_hung_io_thread(build, monkeypatch):
             release.wait(60)
         return real_read(*args)
 
-    monkeypatch.setattr(file_io, "read_object", hang_on_pool)
+    monkeypatch.setattr(file_io, "read_whole", hang_on_pool)
     reader = threading.Thread(target=lambda: b.get(ks, [empty(), empty()]), daemon=True)
     reader.start()
     try:

@@ -163,21 +163,24 @@ class FileBackend(StorageBackend):
             return None
         parts, name = file_io.object_location(key)
         try:
-            leaf = self._store.open_dir(parts)
-        except FileNotFoundError:  # nothing stored under this fan-out yet
+            fd = self._store.open_file(parts, name, file_io.O_READ)
+        except OSError:  # missing, a symlink on the way, or closed meanwhile
+            return None
+        opened = file_io.regular(fd)
+        if opened is None:  # a FIFO, a device...: closed by ``regular``
             return None
         try:
-            size = file_io.read_object(leaf, name, buffers)
+            size = file_io.read_whole(fd, opened[1], buffers)
             if size < 0:
                 return None
             if self._capacity.touch(key):
                 try:  # the LRU clock other processes' rescans sort by
-                    os.utime(name, dir_fd=leaf, follow_symlinks=False)
-                except OSError:  # evicted meanwhile: the read was still whole
+                    os.utime(fd)
+                except OSError:
                     pass
             return size
         finally:
-            os.close(leaf)
+            os.close(fd)
 
     def _write_temp(self, key: str, buffers: Buffers) -> tuple[int, str] | None:
         """Write the temp file of one object (not yet visible): (its leaf

@@ -45,7 +45,7 @@ _TEMP_NAME = re.compile(r"\.[a-z0-9_-]{1,200}\.[0-9a-f]{16}\.tmp")
 _FANOUT_NAME = re.compile(r"[0-9a-f]{2}")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # O_NONBLOCK: opening a FIFO for reading would wait for a writer.
-_O_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | _O_CLOEXEC
+O_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | _O_CLOEXEC
 _O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC
 # Temp names: a random per-process prefix (processes on several machines may
 # share the directory, so no pid) + a counter (next() is atomic under the GIL).
@@ -85,14 +85,9 @@ def _advance(views: list[memoryview], done: int) -> list[memoryview]:
     return views
 
 
-def open_regular(dir_fd: int, name: str) -> tuple[int, int] | None:
-    """``(fd, size)`` of regular file ``name`` in ``dir_fd``, open for reading
-    in blocking mode; None if it is missing, a symlink, a FIFO, a device...
-    Never waits for a FIFO's writer."""
-    try:
-        fd = os.open(name, _O_READ, dir_fd=dir_fd)
-    except OSError:
-        return None
+def regular(fd: int) -> tuple[int, int] | None:
+    """``(fd, size)`` if ``fd`` (opened with ``O_READ``) is a regular file, now
+    in blocking mode; else None, and ``fd`` is closed."""
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode):
@@ -106,32 +101,24 @@ def open_regular(dir_fd: int, name: str) -> tuple[int, int] | None:
     return None
 
 
-def read_object(dir_fd: int, name: str, buffers: Sequence[np.ndarray]) -> int:
-    """Fill ``buffers`` from object file ``name`` in ``dir_fd``: its size if
-    the file is regular, exactly ``total_bytes(buffers)`` long and was read
-    whole, else -1 (missing, not a regular file, shorter, longer, unreadable)."""
-    opened = open_regular(dir_fd, name)
-    if opened is None:
+def read_whole(fd: int, size: int, buffers: Sequence[np.ndarray]) -> int:
+    """Fill ``buffers`` from regular file ``fd`` of ``size`` bytes (``regular``):
+    its size if exactly ``total_bytes(buffers)`` long and read whole, else -1."""
+    expected = total_bytes(buffers)
+    if size != expected:
         return -1
-    fd, size = opened
-    try:
-        expected = total_bytes(buffers)
-        if size != expected:
+    # One byte past the end: a file that grew since the fstat fills it.
+    # A regular file reads short only at EOF (or on a signal, or past
+    # 2 GiB per call), so a shorter read is resumed until it progresses
+    # no more.
+    views: list[Buffer] = [*buffers, bytearray(1)]
+    done = os.preadv(fd, views, 0)
+    while done < expected:
+        n = os.preadv(fd, _advance(_views(views), done), done)
+        if n <= 0:  # truncated
             return -1
-        # One byte past the end: a file that grew since the fstat fills it.
-        # A regular file reads short only at EOF (or on a signal, or past
-        # 2 GiB per call), so a shorter read is resumed until it progresses
-        # no more.
-        views: list[Buffer] = [*buffers, bytearray(1)]
-        done = os.preadv(fd, views, 0)
-        while done < expected:
-            n = os.preadv(fd, _advance(_views(views), done), done)
-            if n <= 0:  # truncated
-                return -1
-            done += n
-        return expected if done == expected else -1
-    finally:
-        os.close(fd)
+        done += n
+    return expected if done == expected else -1
 
 
 def regular_size(dir_fd: int, name: str) -> int | None:

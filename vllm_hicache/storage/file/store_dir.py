@@ -15,6 +15,10 @@ A configured path that is itself a symlink is resolved once at start, and
 only if this user owns the link (or ``allow_shared_dir``): whoever owns the
 link chooses the directory. The directory it names is checked like any other.
 
+Files are reached in one ``openat2`` call where the kernel has it
+(beneath.py: the same guarantees, one system call instead of one per path
+component); elsewhere by the walk.
+
 The root descriptor outlives ``close`` while an operation is still using it
 (a thread stuck on a hung mount): closing it under that thread could hand its
 number to another file, which the thread's next ``openat`` would then use.
@@ -28,6 +32,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from vllm_hicache.storage.file import beneath
 from vllm_hicache.storage.file.access import check_store_dir
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -42,6 +47,8 @@ class StoreDir:
         self._users = 0
         self._closed = False
         self._lock = threading.Lock()
+        # Probed once: whether open_file resolves a path in one call.
+        self.resolves_beneath = beneath.available(fd)
 
     @classmethod
     def open(cls, path: str, *, dir_mode: int, umask: int, allow_shared_dir: bool,
@@ -84,6 +91,18 @@ class StoreDir:
                 raise
             return fd if fd != root else os.dup(root)
 
+    def open_file(self, names: Sequence[str], name: str, flags: int) -> int:
+        """A descriptor of file ``root/names[0]/.../name`` opened with ``flags``
+        (which should hold ``O_NOFOLLOW``), no component a symlink (OSError)."""
+        if self.resolves_beneath:  # the hot path: no context managers
+            root = self._enter()
+            try:
+                return beneath.open_beneath(root, "/".join((*names, name)), flags)
+            finally:
+                self._leave()
+        with self.directory(names) as leaf:
+            return os.open(name, flags, dir_fd=leaf)
+
     @contextmanager
     def directory(self, names: Sequence[str], mode: int | None = None,
                   umask: int = 0) -> Iterator[int]:
@@ -106,18 +125,26 @@ class StoreDir:
 
     @contextmanager
     def _use(self) -> Iterator[int]:
+        fd = self._enter()
+        try:
+            yield fd
+        finally:
+            self._leave()
+
+    def _enter(self) -> int:
+        """The root descriptor, kept open until the matching ``_leave``."""
         with self._lock:
             if self._closed:
                 raise OSError(errno.EBADF, f"store directory {self.path!r} is closed")
             self._users += 1
-        try:
-            yield self._fd
-        finally:
-            with self._lock:
-                self._users -= 1
-                last = self._closed and not self._users
-            if last:
-                os.close(self._fd)
+            return self._fd
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._closed and not self._users
+        if last:
+            os.close(self._fd)
 
 
 def _open_root(path: str, allow_shared_dir: bool, owner: str) -> tuple[int, str]:

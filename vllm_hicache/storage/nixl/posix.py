@@ -152,10 +152,10 @@ class PosixStore:
     def _read_job(self, key: str, target: Buffers) -> Job | None:
         total = total_bytes(target)
         try:
-            with self._store.directory((self._fan_out(key),)) as d:
-                opened = file_io.open_regular(d, key)
+            fd = self._store.open_file((self._fan_out(key),), key, file_io.O_READ)
         except OSError:
             return None
+        opened = file_io.regular(fd)
         if opened is None:
             return None
         fd, size = opened
