@@ -331,3 +331,20 @@ def test_a_failed_load_drops_the_stores_of_its_step(rig):
     assert not [c for c in wrapper.calls if c[0] == "store"], "a store ran after a failed load"
     assert worker_meta.failed_store_pages == {8, 9}
     assert w._io.backups and not w._io.backups[0].pages
+
+
+def test_a_hook_without_what_it_needs_names_it(tiny_model_dir):
+    """An L3 job reaching a rank with no storage client, or a step hook
+    before the KV caches are registered, fails naming what is missing."""
+    h = make_harness(tiny_model_dir)
+    w = h.worker.worker
+    assert w._io is None
+    with pytest.raises(RuntimeError, match="no storage backend attached"):
+        w.bind(HiCacheMetadata(prefetches=[PrefetchJob(3, (b"x",), (61,))]))
+    data, w.data = w.data, None
+    try:
+        with pytest.raises(RuntimeError, match="KV caches are not registered yet"):
+            w.handle_preemptions(HiCacheMetadata())
+        assert w.worker_meta() is None  # nothing to report is still fine
+    finally:
+        w.data = data

@@ -110,6 +110,14 @@ def test_close_writes_everything_queued(log_path):
     assert len(read_log(log_path).records) == 100
 
 
+def test_a_flush_after_close_is_refused_by_name(log_path):
+    writer = AccessLogWriter(log_path, HEADER, 10**6, flush_s=NO_TIMER_S)
+    writer.close()
+    writer.arrive(request("late", chain("late", 1), BS + 1))
+    with pytest.raises(RuntimeError, match="written after close"):
+        writer.flush()
+
+
 def test_disk_use_is_capped_by_rotation(log_path):
     max_bytes = 20_000
     writer = AccessLogWriter(log_path, HEADER, max_bytes, flush_s=NO_TIMER_S)

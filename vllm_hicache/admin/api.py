@@ -61,7 +61,7 @@ import logging
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hicache import io_threads
 from vllm_hicache.admin.guard import (
@@ -80,6 +80,9 @@ from vllm_hicache.storage_config import (
     STORAGE_BACKENDS,
     parse_storage,
 )
+
+if TYPE_CHECKING:
+    import uvicorn
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +163,8 @@ def parse_attach(body: Any, legacy: bool = False,
         storage = parse_storage(storage_keys)
     except ValueError as err:
         raise BodyError(values.get("extra_config", ("extra_config",))[0], str(err)) from None
+    # parse_storage gives None only for no keys, and the backend key is always there.
+    assert storage is not None, "parse_storage ignored hicache_storage_backend"
     return AttachSpec(
         backend=backend, storage_keys=storage_keys, storage=storage,
         prefetch_policy_given=policies["prefetch_policy"] is not None,
@@ -297,7 +302,7 @@ class AdminServer:
         self._api_key = api_key
         self.key_file = key_file
         self._policy = policy
-        self._server = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     @property

@@ -73,7 +73,7 @@ def content_type_problem(method: str, content_type: str | None) -> str:
             f"{content_type!r})")
 
 
-def json_depth(raw: bytes, limit: int) -> int:
+def json_depth(raw: bytes | bytearray, limit: int) -> int:
     """How deep ``raw``'s arrays and objects nest, counted up to ``limit + 1``."""
     depth = deepest = 0
     in_string = escaped = False

@@ -245,9 +245,9 @@ class StorageControl:
                 _answer(cmd, 409, verdict)
             else:
                 self._backfill_paused = False
-                out = self._begin(cmd, now)
-                if out is not None:
-                    return out
+                begun = self._begin(cmd, now)
+                if begun is not None:
+                    return begun
 
     def _pop(self, cmd: _Command) -> None:
         with self._lock:
@@ -327,7 +327,8 @@ class StorageControl:
         self._txn = txn
         logger.info("HiCache L3: attaching backend %r on %d rank(s)", spec.backend,
                     self.world_size)
-        return StorageCommand(txn.cmd_id, "attach", dict(spec.storage_keys), tuple(canary))
+        return StorageCommand(txn.cmd_id, "attach", dict(spec.storage_keys),
+                              (canary[0], canary[1]))
 
     def _begin_detach(self, cmd: _Command, now: float) -> StorageCommand | None:
         sched = self._sched
@@ -399,6 +400,7 @@ class StorageControl:
             if failed:
                 self._roll_back(txn, failed)
                 return
+            assert txn.planner is not None, "an attach transaction carries its planner"
             sched.attach_l3(txn.planner)
             self._set_write_policy(txn.write_policy)
             self._backfill_done = None
@@ -419,6 +421,7 @@ class StorageControl:
                 body["rollback_errors"] = {str(r): e for r, e in failed.items()}
             _answer(txn.cmd, 500, body)
         else:
+            assert txn.planner is not None, "a detach transaction carries its planner"
             _close_quietly(txn.planner)
             logger.info("HiCache L3: detached backend %r (stored objects are kept)",
                         txn.planner.cfg.backend)

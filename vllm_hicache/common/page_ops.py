@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -133,8 +134,8 @@ class PageOps:
         for old in [s for s in self._recent if s < step - 1]:
             del self._recent[old]
 
-    def recent_uses(self, *, l1_blocks: set[int] = frozenset(),
-                    pages: set[int] = frozenset()) -> Iterator[tuple[bytes, ...]]:
+    def recent_uses(self, *, l1_blocks: AbstractSet[int] = frozenset(),
+                    pages: AbstractSet[int] = frozenset()) -> Iterator[tuple[bytes, ...]]:
         """Chains (up to the block) of recent loads into ``l1_blocks`` and
         recent stores into ``pages``: what a copy failure report names."""
         for ops in self._recent.values():

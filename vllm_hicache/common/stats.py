@@ -21,7 +21,6 @@ module: torch is imported only to time CUDA copies.
 
 from __future__ import annotations
 
-import collections
 import threading
 from dataclasses import dataclass
 
@@ -260,22 +259,25 @@ class WorkerCounters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: collections.Counter[str] = collections.Counter()
+        # A plain dict, not a Counter: increments may be fractional (seconds).
+        self._counts: dict[str, float] = {}
 
     def add(self, sample_key: str, value: float = 1) -> None:
         if value:
             with self._lock:
-                self._counts[sample_key] += value
+                self._counts[sample_key] = self._counts.get(sample_key, 0) + value
 
     def add_transfer(self, op: str, num_bytes: int, seconds: float | None) -> None:
         with self._lock:
-            self._counts[key("transfer_bytes", op)] += num_bytes
+            bytes_key = key("transfer_bytes", op)
+            self._counts[bytes_key] = self._counts.get(bytes_key, 0) + num_bytes
             if seconds is not None:
-                self._counts[key("transfer_seconds", op)] += seconds
+                seconds_key = key("transfer_seconds", op)
+                self._counts[seconds_key] = self._counts.get(seconds_key, 0) + seconds
 
     def take(self) -> dict[str, float]:
         with self._lock:
-            out, self._counts = dict(self._counts), collections.Counter()
+            out, self._counts = self._counts, {}
         return out
 
 

@@ -75,13 +75,13 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> HiCacheWorkerMetadata:
         assert isinstance(other, HiCacheWorkerMetadata)
-        for op_id, by_rank in other.prefetch.items():
-            self.prefetch.setdefault(op_id, {}).update(by_rank)
+        for op_id, progress_by_rank in other.prefetch.items():
+            self.prefetch.setdefault(op_id, {}).update(progress_by_rank)
         for op_id, ranks in other.backups.items():
             self.backups.setdefault(op_id, set()).update(ranks)
         self.failed_store_pages |= other.failed_store_pages
-        for cmd_id, by_rank in other.storage_acks.items():
-            self.storage_acks.setdefault(cmd_id, {}).update(by_rank)
+        for cmd_id, error_by_rank in other.storage_acks.items():
+            self.storage_acks.setdefault(cmd_id, {}).update(error_by_rank)
         for op_id, hashes in other.backup_failures.items():
             self.backup_failures.setdefault(op_id, set()).update(hashes)
         return self

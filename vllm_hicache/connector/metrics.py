@@ -56,7 +56,7 @@ class HiCacheKVConnectorStats(KVConnectorStats):
         return self.data["gauges"]
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "gauges": {}}
+        self.data: dict[str, dict[str, float]] = {"counters": {}, "gauges": {}}
 
     def aggregate(self, other: KVConnectorStats) -> HiCacheKVConnectorStats:
         if other is self or other.is_empty():

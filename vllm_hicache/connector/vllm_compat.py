@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from types import FrameType
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def engine_loop_waker() -> Callable[[], None] | None:
     except (ImportError, AttributeError):
         logger.debug("vLLM has no EngineCoreProc/WAKEUP: admin commands run on the next step")
         return None
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, EngineCoreProc):

@@ -91,7 +91,19 @@ class HiCacheWorker:
 
     @transfer.setter
     def transfer(self, transfer) -> None:
-        self.data.transfer = transfer
+        self._path().transfer = transfer
+
+    def _path(self) -> KVDataPath:
+        """The data path: vLLM registers the KV caches before any step's hook."""
+        if self.data is None:
+            raise RuntimeError("KV caches are not registered yet")
+        return self.data
+
+    def _l3(self) -> StorageIO:
+        """This rank's L3 client: the scheduler plans L3 jobs only while one is attached."""
+        if self._io is None:
+            raise RuntimeError("an L3 job reached a worker with no storage backend attached")
+        return self._io
 
     # --- set-up ------------------------------------------------------------
 
@@ -190,7 +202,7 @@ class HiCacheWorker:
         """Runs before the step's forward can overwrite any block."""
         # Write-back: these blocks were just handed to new requests (once per step).
         write_back = meta.evict_stores if self._evicted_for is not meta else NO_COPY
-        self.data.before_forward(write_back)
+        self._path().before_forward(write_back)
         self._evicted_for = meta
 
     def bind(self, meta: HiCacheMetadata) -> None:
@@ -203,13 +215,14 @@ class HiCacheWorker:
         if meta.prefetches:
             # Prefetch pages may have fed a load a moment ago (CUDA: still
             # queued): the reads start after everything issued so far.
-            ready = self.data.ready_event()
+            data, io = self._path(), self._l3()
+            ready = data.ready_event()
             for job in meta.prefetches:
                 # The read rewrites these pages; the scheduler indexes only
                 # what it reports as read, so old garbage no longer matters.
-                self.data.rewritten(job.pages)
-                self._io.submit_prefetch(job, ready)
-        self.data.begin_step(meta.loads)
+                data.rewritten(job.pages)
+                io.submit_prefetch(job, ready)
+        self._path().begin_step(meta.loads)
 
     def _run_storage_command(self, cmd: StorageCommand) -> None:
         """An admin attach or detach of this rank's L3 client (l3/attach_worker.py)."""
@@ -233,27 +246,28 @@ class HiCacheWorker:
         if self._hybrid:
             for job in meta.async_loads:
                 self._async_blocks[job.req_id] = frozenset(job.copy.block_ids)
-        self.data.start_loads(meta.async_loads)
+        self._path().start_loads(meta.async_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
         if layer is not None:
-            self.data.wait_layer(layer)
+            self._path().wait_layer(layer)
 
     def wait_for_save(self) -> None:
         meta = self._meta
         if meta is None:
             return
-        self.data.after_forward(meta.stores)
+        self._path().after_forward(meta.stores)
         if meta.backups:
-            ready = self.data.ready_event()
+            io = self._l3()
+            ready = self._path().ready_event()
             for job in meta.backups:
-                self._io.submit_backup(self._without_garbage(job), ready)
+                io.submit_backup(self._without_garbage(job), ready)
 
     def _without_garbage(self, job: BackupJob) -> BackupJob:
         """The backup minus pages whose store failed: an L3 object made from
         garbage would carry a valid checksum and poison every instance."""
-        bad = self.data.unreadable(job.pages)
+        bad = self._path().unreadable(job.pages)
         if not bad:
             return job
         keep = [i for i, page in enumerate(job.pages) if page not in bad]
@@ -284,7 +298,7 @@ class HiCacheWorker:
         """Hybrid models: vLLM takes load failures only per request (block
         ids are unique only within a group), so failed blocks become the
         requests whose async load they belong to."""
-        failed_blocks = self.data.take_load_errors()
+        failed_blocks = self._path().take_load_errors()
         for req_id in done:
             blocks = self._async_blocks.pop(req_id, frozenset())
             if not blocks.isdisjoint(failed_blocks):
@@ -299,19 +313,21 @@ class HiCacheWorker:
     def worker_meta(self) -> HiCacheWorkerMetadata | None:
         # Failed stores are reported with or without L3: the L2 index needs them.
         failed_pages = self.data.take_failed_store_pages() if self.data is not None else set()
-        progress, backups = self._io.poll() if self._io is not None else ({}, set())
+        io = self._io
+        progress, backups = io.poll() if io is not None else ({}, set())
         storage_acks, self._storage_acks = self._storage_acks, {}
         backup_failures, self._backup_failures = self._backup_failures, {}
-        if self._io is not None:
-            for op_id, hashes in self._io.take_backup_failures().items():
+        if io is not None:
+            for op_id, hashes in io.take_backup_failures().items():
                 backup_failures.setdefault(op_id, set()).update(hashes)
         if (not progress and not backups and not failed_pages and not storage_acks
                 and not backup_failures):
             return None
-        sender = self._io.worker_id if self._io is not None else None
+        # Progress and backups come only from an L3 client, whose id names this rank.
         return HiCacheWorkerMetadata(
-            prefetch={op: {sender: p} for op, p in progress.items()},
-            backups={op: {sender} for op in backups},
+            prefetch=({op: {io.worker_id: p} for op, p in progress.items()}
+                      if io is not None else {}),
+            backups={op: {io.worker_id} for op in backups} if io is not None else {},
             failed_store_pages=failed_pages,
             storage_acks=storage_acks,
             backup_failures=backup_failures,

@@ -51,6 +51,8 @@ def run_storage_command(cmd: StorageCommand, io: StorageIO | None,
                 old.shutdown()
         if cmd.action == "attach":
             new_storage = parse_storage(cmd.storage_keys or {})
+            if new_storage is None:
+                raise ValueError("attach command names no hicache_storage_* keys")
             new_io = build(new_storage, cmd.canary_pages)
             if isinstance(new_io.pages, DisabledPageStore):
                 new_io.shutdown()

@@ -59,17 +59,18 @@ class Backfill:
                 self._next += 1
                 continue
             chain, pages = found
-            blocks = [i for i, page in enumerate(pages)
+            picked = [(i, page) for i, page in enumerate(pages)
                       if page is not None and chain[i] not in self._queued]
-            if len(blocks) > budget:
-                blocks = blocks[:budget]  # the rest of this node next time
+            if len(picked) > budget:
+                picked = picked[:budget]  # the rest of this node next time
             else:
                 self._next += 1
-            if not blocks:
+            if not picked:
                 continue
+            blocks = tuple(i for i, _ in picked)
             self._queued.update(chain[i] for i in blocks)
-            ranges.append(PinnedRange(tuple(chain[: blocks[-1] + 1]), tuple(blocks),
-                                      tuple(pages[i] for i in blocks)))
+            ranges.append(PinnedRange(tuple(chain[: blocks[-1] + 1]), blocks,
+                                      tuple(page for _, page in picked)))
             budget -= len(blocks)
         return ranges
 

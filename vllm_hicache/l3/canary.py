@@ -41,7 +41,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_hicache.host import HostKVPool
 from vllm_hicache.keys import KeyNamespace
+from vllm_hicache.storage.base import StorageBackend
 from vllm_hicache.storage.format import HEADER_BYTES
 from vllm_hicache.storage.pages import PageStore
 
@@ -178,6 +180,18 @@ class DisabledPageStore:
 
     def __getattr__(self, name: str):
         return getattr(self.wrapped, name)
+
+    # Spelled out for type checkers (StorageIO's PageTier); __getattr__ covers the rest.
+    @property
+    def pool(self) -> HostKVPool:
+        return self.wrapped.pool
+
+    @property
+    def backend(self) -> StorageBackend:
+        return self.wrapped.backend
+
+    def stats(self) -> dict[str, float]:
+        return self.wrapped.stats()
 
     def exists_prefix(self, hashes: Sequence[bytes]) -> int:
         # "Nothing stored" makes a backup try to write, which is skipped.

@@ -105,7 +105,7 @@ class _Lookup:
     chain: tuple[bytes, ...]   # hashes of blocks 0 .. limit
     start: int
     deadline: float
-    future: Future | None = None
+    future: Future[int]        # the store's hit count for chain[start:]
     op: _Op | None = None
     done: bool = False         # nothing (more) to wait for
     timed_out: bool = False    # counted as prefetches{event=timed_out}
@@ -118,8 +118,9 @@ class L3Planner:
                  ctx: PlannerContext | None = None, max_backup_pages: int | None = None,
                  page_states: PageStates | None = None) -> None:
         self.cfg = cfg
-        # The scheduler half's state this planner acts on, handed over once.
-        self.ctx = ctx if ctx is not None else PlannerContext(None, None)
+        # The scheduler half's state this planner acts on, handed over once;
+        # None: a planner that only names keys and looks up (tools, tests).
+        self.ctx = ctx
         # The scheduler half's page flags (models with a state group): read
         # for backups, set as prefetched pages are indexed.
         self.page_states = page_states
@@ -167,6 +168,13 @@ class L3Planner:
         self.backup_dropped = 0
         self.backup_evicted = 0
 
+    def _context(self) -> PlannerContext:
+        """The scheduler state; planning or completing ops without it is a bug."""
+        if self.ctx is None:
+            raise RuntimeError("this L3Planner was built without a PlannerContext "
+                               "(lookups only): it cannot plan or complete page ops")
+        return self.ctx
+
     # --- lookups -----------------------------------------------------------
 
     def start_lookup(self, req_id: str, chain: tuple[bytes, ...], start: int) -> None:
@@ -183,15 +191,16 @@ class L3Planner:
             self.skipped_lookups += 1
             return
         wait_s = self.prefetch_policy.wait_budget_s((len(chain) - start) * self.block_size)
-        lookup = _Lookup(chain, start, time.monotonic() + wait_s)
-        gate = self.ctx.gate
+        deadline = time.monotonic() + wait_s
+        nowait = False
+        gate = self.ctx.gate if self.ctx is not None else None
         if gate is not None and self.prefetch_policy.ever_waits:
             num = len(chain) - start
-            lookup.nowait = not gate.prefetch_l3(start * self.block_size,
-                                                 num * self.block_size, num)
+            nowait = not gate.prefetch_l3(start * self.block_size, num * self.block_size, num)
         with self._pending_lock:
             self._num_pending_lookups += 1
-        lookup.future = self._executor.submit(self._exists, chain[start:])
+        future = self._executor.submit(self._exists, chain[start:])
+        lookup = _Lookup(chain, start, deadline, future, nowait=nowait)
         self._lookups[req_id] = lookup
         lookup.future.add_done_callback(lambda _: self._lookup_done(req_id, lookup))
 
@@ -248,8 +257,11 @@ class L3Planner:
         """Prefetch ops for the lookups that finished since the last step
         (each is considered once, as it finishes); the context's ``gate``
         (LoadGate) decides whether their requests wait for them."""
-        tree, alloc, gate = self.ctx.tree, self.ctx.alloc, self.ctx.gate
-        jobs = []
+        if not self._finished_lookups:
+            return []
+        ctx = self._context()
+        tree, alloc, gate = ctx.tree, ctx.alloc, ctx.gate
+        jobs: list[PrefetchJob] = []
         while self._finished_lookups:
             req_id, lookup = self._finished_lookups.popleft()
             if self._lookups.get(req_id) is not lookup:
@@ -324,7 +336,7 @@ class L3Planner:
         them now; the BACKUP op keeps them pinned until every rank acked)."""
         if not stored:
             return []
-        op = self.ctx.ops.open(OpKind.BACKUP, step, stored)
+        op = self._context().ops.open(OpKind.BACKUP, step, stored)
         hashes = tuple(r.chain[i] for r in stored for i in r.blocks)
         pages = tuple(p for r in stored for p in r.pages)
         states = (tuple(map(self.page_states.valid, pages)) if self.page_states is not None
@@ -348,7 +360,7 @@ class L3Planner:
                 self.backup_deferred += len(rng.blocks)
                 self.backup_dropped += self.backlog.defer(rng.chain, rng.blocks)
         if room > 0 and len(self.backlog):
-            now += self._flush(self.ctx.tree, room)
+            now += self._flush(self._context().tree, room)
         jobs = self.plan_backup(now, step)
         for job in jobs:  # the bound counts these; an attach's backfill has its own
             self._bounded[job.op_id] = len(job.pages)
@@ -360,12 +372,15 @@ class L3Planner:
         ranges = []
         for entry in self.backlog.take(room):
             pages = tree.match(entry.chain).pages
-            blocks = [b for b in entry.blocks if b < len(pages) and pages[b] is not None]
-            self.backup_evicted += len(entry.blocks) - len(blocks)
-            if blocks:
+            picked = [(b, page) for b, page in
+                      ((b, pages[b]) for b in entry.blocks if b < len(pages))
+                      if page is not None]
+            self.backup_evicted += len(entry.blocks) - len(picked)
+            if picked:
+                blocks = tuple(b for b, _ in picked)
                 self.backup_flushed += len(blocks)
-                ranges.append(PinnedRange(entry.chain[: blocks[-1] + 1], tuple(blocks),
-                                          tuple(pages[b] for b in blocks)))
+                ranges.append(PinnedRange(entry.chain[: blocks[-1] + 1], blocks,
+                                          tuple(page for _, page in picked)))
         return ranges
 
     def note_use(self, hashes) -> None:
@@ -404,7 +419,8 @@ class L3Planner:
     # --- completions -------------------------------------------------------
 
     def on_worker_meta(self, meta: HiCacheWorkerMetadata) -> None:
-        tree, ops, events = self.ctx.tree, self.ctx.ops, self.ctx.events
+        ctx = self._context()
+        tree, ops, events = ctx.tree, ctx.ops, ctx.events
         for op_id, by_rank in meta.prefetch.items():
             op = self._ops.get(op_id)
             if op is not None:

@@ -20,12 +20,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, wait
+from typing import TYPE_CHECKING, Protocol
 
 from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.common.stats import WorkerCounters, key
 from vllm_hicache.daemon_pool import DaemonPool
-from vllm_hicache.storage.pages import PageStore
+
+if TYPE_CHECKING:
+    from vllm_hicache.host import HostKVPool
+    from vllm_hicache.storage.base import StorageBackend
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +41,30 @@ BATCH_PAGES = 128
 SHUTDOWN_DRAIN_S = 10.0
 
 
+class PageTier(Protocol):
+    """What StorageIO uses of its pages: a PageStore (storage/pages.py), or
+    the DisabledPageStore (canary.py) that keeps L3 off for this worker."""
+
+    @property
+    def pool(self) -> HostKVPool: ...
+
+    @property
+    def backend(self) -> StorageBackend: ...
+
+    def exists_prefix(self, hashes: Sequence[bytes]) -> int: ...
+
+    def write(self, hashes: Sequence[bytes], pages: Sequence[int],
+              states: Sequence[bool] | None = None) -> list[bool]: ...
+
+    def read(self, hashes: Sequence[bytes], pages: Sequence[int],
+             states: list[bool] | None = None) -> int: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
 class StorageIO:
     def __init__(
-        self, pages: PageStore, worker_id: int, writes: bool, num_threads: int = 2,
+        self, pages: PageTier, worker_id: int, writes: bool, num_threads: int = 2,
         drain_timeout_s: float = SHUTDOWN_DRAIN_S, counters: WorkerCounters | None = None,
     ) -> None:
         self.pages = pages

@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from vllm_hicache import io_threads
 from vllm_hicache.planner.log_format import (
@@ -137,7 +137,7 @@ class AccessLogWriter(NullAccessLog):
         self.num_dropped = 0
         self._num_reported = 0
         self.num_written = 0
-        self._file = None
+        self._file: BinaryIO | None = None
         self._file_bytes = 0
         self._broken = False
         # The writer thread's drain and an explicit flush() never interleave.
@@ -255,6 +255,8 @@ class AccessLogWriter(NullAccessLog):
         try:
             if self._file_bytes + len(data) > self.max_file_bytes:
                 self._open(rotate_existing=True)
+            if self._file is None:
+                raise RuntimeError(f"HiCache access log {self.path}: written after close()")
             self._file.write(data)
             self._file.flush()
         except OSError as exc:
@@ -290,10 +292,10 @@ class AccessLogWriter(NullAccessLog):
         if rotate_existing and self.path.exists():
             os.replace(self.path, self.path.with_name(self.path.name + ".1"))
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        self._file = os.fdopen(fd, "wb")
+        file = self._file = os.fdopen(fd, "wb")
         head = MAGIC + frame(encode_header(self.header))
-        self._file.write(head)
-        self._file.flush()
+        file.write(head)
+        file.flush()
         self._file_bytes = len(head)
 
     def close(self) -> None:
