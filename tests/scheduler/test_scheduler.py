@@ -15,14 +15,26 @@ def prompt(seed: int, num_tokens: int) -> list[int]:
     return [10 + (seed * 131 + i * 17) % 400 for i in range(num_tokens)]
 
 
+def request_keyed(obj, req_ids) -> list[str]:
+    """Attributes of ``obj`` (dicts, sets) that hold any of ``req_ids``."""
+    return [name for name, value in vars(obj).items()
+            if isinstance(value, (dict, set, frozenset)) and any(r in value for r in req_ids)]
+
+
 def assert_clean(h) -> None:
-    """No request left, no pinned page, tree consistent."""
-    tree = h.sched_half.tree
+    """No request left, no pinned page, tree consistent; nothing in the
+    scheduler half remembers a request the harness ever added (its one
+    request record map included)."""
+    half = h.sched_half
+    tree = half.tree
     tree.check_integrity()
     h.step()  # releases the last step's load locks
     assert tree.num_locked_pages == 0
-    assert not len(h.sched_half._inflight)
-    assert not h.sched_half._reqs
+    assert not len(half._inflight)
+    assert not half._reqs
+    req_ids = set(h.hashes_of)
+    for part in (half, half.stores, half.load_gate):
+        assert not request_keyed(part, req_ids), type(part).__name__
 
 
 def test_cold_request_stores_every_full_block(tiny_model_dir):
@@ -189,6 +201,67 @@ def test_abort_during_async_load_releases_pins(tiny_model_dir):
     for _ in range(3):
         h.step()
     assert "b" not in h.scheduler.requests
+    assert_clean(h)
+
+
+def test_no_request_state_outlives_its_request(tiny_model_dir):
+    """A lookup that waits, an abort while waiting, a declined hit, rejected
+    and accepted kv_transfer_params, a hit split by tier: the scheduler half
+    keeps all of it in one record per request, and drops the record when
+    vLLM finishes the request."""
+    from vllm.v1.request import RequestStatus
+
+    h = make_harness(tiny_model_dir, hicache_load_mode="async")
+    half = h.sched_half
+    tokens = prompt(40, 4 * BLOCK + 5)
+    h.add("a", tokens)
+    h.run()
+    assert h.scheduler.reset_prefix_cache()
+    h.kv_zero()
+    # b loads its hit asynchronously (held until released); c, the same
+    # prefix, is looked up and told to wait for b's load.
+    transfer = h.worker.worker.transfer
+    release = threading.Event()
+    real_load = transfer.load
+
+    def held_load(block_ids, page_ids):
+        assert release.wait(timeout=10)
+        real_load(block_ids, page_ids)
+
+    transfer.load = held_load
+    h.add("b", tokens)
+    h.add("c", tokens)
+    h.step(complete_async=False)
+    h.step(complete_async=False)  # c asks again: the last lookup wins
+    assert len(half._inflight)
+    assert half._reqs["c"].lookup is not None  # never allocated: no update_state_after_alloc
+    assert request_keyed(half, {"c"}) == ["_reqs"]  # the one map that knows c
+    h.scheduler.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+    assert "c" not in half._reqs
+    assert not request_keyed(half, {"c"})
+    release.set()
+    transfer.load = real_load
+    h.run()
+    assert h.first_computed["b"] == 4 * BLOCK
+    # d: the load gate declines its hit; counted when d is admitted.
+    assert h.scheduler.reset_prefix_cache()
+    h.kv_zero()
+    half.load_gate.load_l2 = lambda *args: False
+    h.add("d", tokens, max_tokens=3)
+    h.step()
+    assert half._reqs["d"].declined_blocks == 0 and half._reqs["d"].lookup is None
+    assert half.load_gate.decisions[("L2", "declined")] == 4 * BLOCK
+    del half.load_gate.load_l2
+    # e: rejected kv_transfer_params, reported when it finishes; f: a load cap.
+    h.add("e", prompt(41, 2 * BLOCK + 1), kv_transfer_params={"hicache_tiers": "L2"})
+    h.add("f", tokens, max_tokens=1, kv_transfer_params={"max_load_tokens": BLOCK})
+    assert half._reqs["e"].param_error is not None
+    assert half._reqs["f"].controls.max_load_tokens == BLOCK
+    h.run()
+    errors = [o.kv_transfer_params for outs in h.engine_outputs for o in outs.outputs
+              if o.request_id == "e" and o.kv_transfer_params]
+    assert errors and "hicache_tiers" in errors[-1]["hicache_error"]
+    assert half.stats.request_param_errors == 1
     assert_clean(h)
 
 

@@ -30,7 +30,8 @@ and counts the decisions:
   ``declined``: it does not, and computes; the prefetch still runs for later
   requests, and keeps the L3 estimate fresh).
 
-Pure module: no torch, no vllm (the vLLM objects are read by attribute).
+Pure module at run time: no torch, no vllm (the vLLM objects are read by
+attribute; their types are imported for the type checker only).
 """
 
 from __future__ import annotations
@@ -39,9 +40,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vllm_hicache.common.stats import key
 from vllm_hicache.policy.load import MIN_PREFILL_TOKENS, LoadDecider, attention_pairs
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 # Steps outstanding beyond this: the pairing is lost; start over.
 _MAX_OUTSTANDING = 8
@@ -90,7 +96,7 @@ class LoadGate:
 
     # --- measurements --------------------------------------------------------
 
-    def step_planned(self, scheduler_output, copies_in_forward: bool) -> None:
+    def step_planned(self, scheduler_output: SchedulerOutput, copies_in_forward: bool) -> None:
         """End of build_connector_meta: step N goes to the executor now."""
         total = scheduler_output.total_num_scheduled_tokens
         sample = False
@@ -109,7 +115,7 @@ class LoadGate:
         if len(self._outstanding) > _MAX_OUTSTANDING:
             self._outstanding.clear()
 
-    def step_done(self, connector_stats) -> None:
+    def step_done(self, connector_stats: KVConnectorStats | None) -> None:
         """update_connector_output: the result of a step (see module doc)."""
         now = self.clock()
         self._awaiting_result = False
@@ -134,7 +140,7 @@ class LoadGate:
                 self.decider.observe_step(planned.num_tokens, planned.attn_pairs, now - started)
         self._last_done = now
 
-    def _observe_transfers(self, connector_stats) -> None:
+    def _observe_transfers(self, connector_stats: KVConnectorStats | None) -> None:
         if not self.decider.auto:
             return
         data = getattr(connector_stats, "data", None)
@@ -165,7 +171,7 @@ class LoadGate:
         return out
 
 
-def _attention(scheduler_output) -> tuple[float, int]:
+def _attention(scheduler_output: SchedulerOutput) -> tuple[float, int]:
     """Attention pairs of the step, and its tokens of requests scheduled for
     more than one token (prefills)."""
     scheduled = scheduler_output.num_scheduled_tokens

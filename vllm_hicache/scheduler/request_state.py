@@ -1,14 +1,37 @@
-"""Per-request state of the scheduler half, kept in step with vLLM's
-SchedulerOutput (block tables grow; a resumed request gets a new one)."""
+"""The scheduler half's one record per request, and how it follows vLLM.
+
+Invariant: everything the scheduler half knows about a request lives in its
+``ReqState``, in ``HiCacheScheduler._reqs``; the record is made by
+``HiCacheScheduler._record`` (from ``on_new_request``, which vLLM calls
+before any lookup, or from the lookup should one come first) and dropped only
+by ``request_finished`` (which vLLM calls for every request it was given,
+finished or aborted, running or waiting). Some fields
+live shorter than the record: a lookup waits for ``update_state_after_alloc``,
+a hit's split by tier for vLLM's question about it. What outlives a request
+is kept by the operation it started, never here: an async load in flight
+(inflight.py) keeps its pins after an abort until the workers report it.
+
+The block tables follow vLLM's SchedulerOutput (``track_scheduled``): they
+grow step by step, and a resumed request gets a new one.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+from vllm_hicache.scheduler.request_params import DEFAULT_CONTROLS, RequestControls
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+
+class Lookup(NamedTuple):
+    """A request's last lookup: vLLM's own hit, and the L2 pages after it."""
+
+    num_computed_tokens: int
+    pages: list[int]
 
 
 @dataclass(slots=True)
@@ -21,6 +44,20 @@ class ReqState:
     num_computed_tokens: int = 0
     # Blocks [0, num_planned) have been considered for a store.
     num_planned: int = 0
+    # Its kv_transfer_params (request_params.py); NO_HICACHE when they were
+    # rejected, for the reason in param_error (returned when it finishes).
+    controls: RequestControls = DEFAULT_CONTROLS
+    param_error: str | None = None
+    # What get_num_new_matched_tokens found, for update_state_after_alloc
+    # (vLLM may look a waiting request up several times: the last call wins;
+    # None once used).
+    lookup: Lookup | None = None
+    # L2 hit blocks the load gate declined at the last lookup (vLLM
+    # recomputes them), counted when the request is admitted.
+    declined_blocks: int = 0
+    # (L2, L3) tokens of the hit just admitted, until vLLM asks for them
+    # (get_external_cache_hit_sources); None when not loaded or asked already.
+    hit_tokens_by_tier: tuple[int, int] | None = None
 
     @property
     def block_ids(self) -> list[int]:

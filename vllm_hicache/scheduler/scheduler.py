@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from collections.abc import Callable, Mapping, Sequence, Set
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_hicache.common.events import MEDIUM_L2, EventLog
 from vllm_hicache.common.jobs import (
@@ -62,11 +62,12 @@ from vllm_hicache.scheduler.request_params import (
     RequestControls,
     parse_request_params,
 )
-from vllm_hicache.scheduler.request_state import ReqState, track_scheduled
+from vllm_hicache.scheduler.request_state import Lookup, ReqState, track_scheduled
 from vllm_hicache.scheduler.store_planner import L2StorePlanner
 from vllm_hicache.scheduler.write_back import WriteBackCopy, WriteBackWatcher
 
 if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -74,11 +75,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-class _LookedUp(NamedTuple):
-    """A request's last lookup: vLLM's own hit, and the L2 pages after it."""
 
-    num_computed_tokens: int
-    pages: list[int]
 # Warnings about rejected kv_transfer_params, at most one per this many seconds.
 _PARAM_WARN_INTERVAL_S = 60.0
 # An idle engine keeps stepping for pending L3/async work at most this long
@@ -139,9 +136,9 @@ class HiCacheScheduler:
         # False on a PD decode-offload instance (pd.py): NixlConnector alone loads.
         self.serves_hits = loads_hits(cfg)
         self.stats = HiCacheStats()
+        # The one record per request (request_state.py): made by _record,
+        # dropped by request_finished.
         self._reqs: dict[str, ReqState] = {}
-        # What get_num_new_matched_tokens found, for update_state_after_alloc.
-        self._looked_up: dict[str, _LookedUp] = {}
         self.ops = PageOps(self.tree)
         # The step being scheduled; build_connector_meta ends it.
         self._step = 0
@@ -154,21 +151,16 @@ class HiCacheScheduler:
         self._evict_copies: list[WriteBackCopy] = []
         # STORE ops of the write-backs in _evict_copies, not yet emitted.
         self._evict_ops: list[PageOp] = []
-        self._block_pool = None
+        self._block_pool: BlockPool | None = None
         # The engine's start line (connector.start_line) reports the sizes.
         # Models with a state group: which pages hold a usable state.
         self.page_states = PageStates(self.num_pages) if geom.mamba_groups else None
-        # Per request: controls other than the defaults (request_params.py).
-        self._controls: dict[str, RequestControls] = {}
         self.stores = L2StorePlanner(
             self.tree, self.ops, self._groups,
             WritePolicy(cfg.hicache_write_policy, hit_counter_slots(self.num_pages)), self.stats,
-            self.page_states, self._controls, self.block_size,
-            EventLog(False, self.block_size))
-        # hicache_load_decision (load_gate.py): its estimators, and the L2
-        # hits declined per request (blocks) until the request is admitted.
+            self.page_states, self.block_size, EventLog(False, self.block_size))
+        # hicache_load_decision (load_gate.py): its estimators.
         self.load_gate = LoadGate(cfg.hicache_load_decision, geom.bytes_per_block)
-        self._declined: dict[str, int] = {}
         # What the L3 planner acts on (its own and a runtime attach's).
         self._l3_ctx = PlannerContext(self.tree, self.ops, self.stores.alloc_protecting,
                                       self.load_gate, self.stores.events)
@@ -177,10 +169,6 @@ class HiCacheScheduler:
         # Runtime attach/detach of L3 (admin API): install_commands.
         self.storage_control: StepCommands | None = None
         self._report = SchedulerReport()
-        # Per request: why its kv_transfer_params were rejected, (L2, L3)
-        # tokens of its hit.
-        self._param_errors: dict[str, str] = {}
-        self._hit_tiers: dict[str, tuple[int, int]] = {}
         self._param_warned_at = -_PARAM_WARN_INTERVAL_S
         # hicache_access_log, for the capacity planner (a no-op when off).
         self.access_log = open_access_log(cfg, geom, self.num_pages, local_ranks)
@@ -262,11 +250,12 @@ class HiCacheScheduler:
         if self.l3 is not None and self.l3.must_wait(request.request_id):
             return None, False  # per the prefetch policy: ask again later
         pages = self._hit_pages(request, num_computed_tokens)
+        state = self._record(request)
         # For update_state_after_alloc, which vLLM calls right after the call
         # that lets the request in (the last call wins).
-        self._looked_up[request.request_id] = _LookedUp(num_computed_tokens, pages)
-        controls = self._controls.get(request.request_id)
-        if controls is not None and pages:
+        state.lookup = Lookup(num_computed_tokens, pages)
+        controls = state.controls
+        if pages:
             cap = controls.load_block_cap(self.block_size) if controls.loads_l2 else 0
             if cap is not None:
                 pages = pages[:cap]
@@ -276,9 +265,9 @@ class HiCacheScheduler:
             return 0, False
         if not self.load_gate.load_l2(num_computed_tokens, len(pages) * self.block_size,
                                       len(pages)):
-            self._declined[request.request_id] = len(pages)  # vLLM recomputes them
+            state.declined_blocks = len(pages)  # vLLM recomputes them
             return 0, False
-        self._declined.pop(request.request_id, None)
+        state.declined_blocks = 0
         start = num_computed_tokens // self.block_size
         if self._inflight.overlaps(request.block_hashes[start : start + len(pages)]):
             return None, False  # ask again once that load has landed
@@ -295,13 +284,17 @@ class HiCacheScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
-        looked_up = self._looked_up.pop(req_id, None)
-        if looked_up is None:
+        state = self._reqs.get(req_id)
+        looked_up = state.lookup if state is not None else None
+        if state is None or looked_up is None:
             return  # vLLM's second call for an async load: nothing new
+        state.lookup = None
         local = looked_up.num_computed_tokens
         start, num_blocks = local // self.block_size, num_external_tokens // self.block_size
         end = start + num_blocks
-        declined = self._declined.pop(req_id, 0) if num_blocks == 0 else 0
+        declined = 0
+        if num_blocks == 0:
+            declined, state.declined_blocks = state.declined_blocks, 0
         self.load_gate.record("L2", True, num_external_tokens)
         self.load_gate.record("L2", False, declined * self.block_size)
         # A use of the whole hit, L1 part (and a declined L2 hit) included: a
@@ -328,22 +321,27 @@ class HiCacheScheduler:
         else:
             self._step_loads.append(job)
         self.stats.record_load(num_blocks)
-        self._record_hit_tiers(req_id, start, end)
+        self._record_hit_tiers(state, start, end)
 
-    def _record_hit_tiers(self, req_id: str, start: int, end: int) -> None:
+    def _record_hit_tiers(self, state: ReqState, start: int, end: int) -> None:
         """Split the hit [start, end) into what was in L2 and what this
         request's own L3 prefetch brought in."""
         l3_blocks = 0
-        fetched = self.l3.prefetched_range(req_id) if self.l3 is not None else None
+        fetched = (self.l3.prefetched_range(state.request.request_id)
+                   if self.l3 is not None else None)
         if fetched is not None:
             l3_blocks = max(0, min(end, fetched[1]) - max(start, fetched[0]))
         tiers = ((end - start - l3_blocks) * self.block_size, l3_blocks * self.block_size)
         self.stats.record_hit_tokens(*tiers)
-        self._hit_tiers[req_id] = tiers
+        state.hit_tokens_by_tier = tiers
 
     def hit_tiers(self, req_id: str, num_tokens: int) -> dict[str, int]:
         """``num_tokens`` of the request's last hit, by tier (non-zero only)."""
-        l2, l3 = self._hit_tiers.pop(req_id, (num_tokens, 0))
+        state = self._reqs.get(req_id)
+        tiers = state.hit_tokens_by_tier if state is not None else None
+        if state is not None:
+            state.hit_tokens_by_tier = None  # asked once per admission
+        l2, l3 = tiers if tiers is not None else (num_tokens, 0)
         if l2 + l3 != num_tokens:
             l2, l3 = num_tokens, 0
         return {tier: n for tier, n in (("L2", l2), ("L3", l3)) if n}
@@ -415,7 +413,7 @@ class HiCacheScheduler:
             # meanwhile would hit them, and we would store what it read.
             drop_l1_blocks(self._block_pool, self._blocks_from_first_failure(l1_blocks))
 
-    def _drop_failed_loads(self, req_ids) -> None:
+    def _drop_failed_loads(self, req_ids: Set[str]) -> None:
         """Async loads failed as a whole (hybrid models report failures per
         request): their pages must never be hits again; vLLM recomputes."""
         for op in self.ops.live(OpKind.ASYNC_LOAD):
@@ -436,10 +434,18 @@ class HiCacheScheduler:
                 doomed.update(ids[first:])
         return doomed
 
+    def _record(self, request: Request) -> ReqState:
+        """The request's record; the one place one is made (vLLM announces
+        each request with on_new_request before it looks it up)."""
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = ReqState(request)
+        return state
+
     def on_new_request(self, request: Request) -> None:
-        self._reqs[request.request_id] = ReqState(request)
+        state = self._record(request)
         self.access_log.arrive(request, self._step)
-        controls = self._read_controls(request)
+        controls = state.controls = self._read_controls(request, state)
         if self.l3 is not None and controls.looks_up_l3 and self.serves_hits:
             limit = loadable_block_limit(request.num_tokens, self.block_size)
             chain = tuple(request.block_hashes[:limit])
@@ -449,7 +455,7 @@ class HiCacheScheduler:
                 chain = chain[: resident + cap]
             self.l3.start_lookup(request.request_id, chain, resident)
 
-    def _read_controls(self, request: Request) -> RequestControls:
+    def _read_controls(self, request: Request, state: ReqState) -> RequestControls:
         """The request's kv_transfer_params controls. Bad ones never fail
         the engine: the request runs without HiCache, the reason goes back
         in its output's kv_transfer_params (``hicache_error``) and the log."""
@@ -457,20 +463,17 @@ class HiCacheScheduler:
         if not params:
             return DEFAULT_CONTROLS
         try:
-            controls = parse_request_params(params)
+            return parse_request_params(params)
         except ValueError as exc:
             self.stats.record_param_error()
-            self._param_errors[request.request_id] = str(exc)
+            state.param_error = str(exc)
             now = time.monotonic()
             if now - self._param_warned_at >= _PARAM_WARN_INTERVAL_S:
                 self._param_warned_at = now
                 logger.warning("HiCache: request %s served without HiCache: %s "
                                "(%d such requests so far; logged at most once a minute)",
                                request.request_id, exc, self.stats.request_param_errors)
-            controls = NO_HICACHE
-        if controls is not DEFAULT_CONTROLS:
-            self._controls[request.request_id] = controls
-        return controls
+            return NO_HICACHE
 
     def _resident_blocks(self, chain: tuple[bytes, ...]) -> int:
         """Leading blocks already in L2 or in vLLM's own cache (L1)."""
@@ -489,15 +492,11 @@ class HiCacheScheduler:
         # An in-flight async load keeps its pins until the worker reports it:
         # vLLM itself delays freeing the blocks of such a request.
         req_id = request.request_id
-        self._reqs.pop(req_id, None)
-        self._looked_up.pop(req_id, None)
-        self._declined.pop(req_id, None)
-        self._controls.pop(req_id, None)
-        self._hit_tiers.pop(req_id, None)
+        state = self._reqs.pop(req_id, None)  # the one place a record is dropped
         self.access_log.finish(request, len(block_ids), self._step)
         if self.l3 is not None:
             self.l3.forget(req_id)
-        error = self._param_errors.pop(req_id, None)
+        error = state.param_error if state is not None else None
         return False, ({"hicache_error": error} if error is not None else None)
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
@@ -505,7 +504,7 @@ class HiCacheScheduler:
         """vLLM's hook for hybrid-allocator connectors: one block table per group."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
-    def bind_gpu_block_pool(self, block_pool) -> None:
+    def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
         self._block_pool = block_pool
         self._groups.bind(block_pool)
         if self.cfg.hicache_write_policy == "write_back":
@@ -519,13 +518,14 @@ class HiCacheScheduler:
             self._evict_copies += write_back.plan(
                 self.tree, self._alloc_write_back, self._pin_write_back)
 
-    def _alloc_write_back(self, chain, num_matched: int, num_pages: int) -> list[int] | None:
+    def _alloc_write_back(self, chain: Sequence[bytes], num_matched: int,
+                          num_pages: int) -> list[int] | None:
         pages = self.stores.alloc_protecting(chain, num_matched, num_pages)
         if pages is None:  # every page pinned: this block is simply not kept
             self.stats.record_store_skipped(num_pages)
         return pages
 
-    def _pin_write_back(self, chain, page: int) -> None:
+    def _pin_write_back(self, chain: Sequence[bytes], page: int) -> None:
         self._evict_ops.append(self.stores.insert_pinned(
             OpKind.WRITE_BACK, chain, [len(chain) - 1], [page], self._step))
 
@@ -575,7 +575,7 @@ class HiCacheScheduler:
                                  {key("kv_events_dropped"): self.events.dropped,
                                   **self.load_gate.counter_samples()})
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[Any]:
         return self.events.take()
 
     def check_integrity(self) -> None:
@@ -586,7 +586,7 @@ class HiCacheScheduler:
         async_ops = {op.req_id for op in self.ops.live(OpKind.ASYNC_LOAD)}
         if async_ops != self._inflight.req_ids():
             problems.append(f"async loads in flight {sorted(self._inflight.req_ids())} "
-                            f"!= pinned async loads {sorted(async_ops)}")
+                            f"!= pinned async loads {sorted(async_ops, key=str)}")
         prefetching = self.l3.prefetch_pages() if self.l3 is not None else set()
         if self.storage_control is not None:
             prefetching |= self.storage_control.scratch_pages()  # an attach's canary pages

@@ -22,7 +22,8 @@ Every range inserted here is also kept for the step's L3 backups
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from vllm_hicache.common.events import MEDIUM_L2, EventLog
 from vllm_hicache.common.jobs import BlockPage
@@ -32,7 +33,6 @@ from vllm_hicache.common.stats import HiCacheStats
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.policy.write import WritePolicy
 from vllm_hicache.scheduler.group_blocks import GroupBlocks
-from vllm_hicache.scheduler.request_params import RequestControls
 from vllm_hicache.scheduler.request_state import ReqState
 from vllm_hicache.scheduler.write_back import WriteBackWatcher
 
@@ -40,19 +40,19 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+_T = TypeVar("_T")
+
 
 class L2StorePlanner:
     """Owned by HiCacheScheduler, which calls ``advance`` once per step from
     ``build_connector_meta`` and the other methods from the same thread. It
     mutates the tree (alloc, insert), the page ops (STORE and WRITE_BACK
-    pins), the request states' ``num_planned``, the page state flags and
-    the store counters; ``controls`` is the scheduler's per-request dict,
-    read only."""
+    pins), the request records' ``num_planned``, the page state flags and
+    the store counters; it reads the records' controls."""
 
     def __init__(self, tree: HiRadixTree, ops: PageOps, groups: GroupBlocks,
                  write_policy: WritePolicy, stats: HiCacheStats,
-                 page_states: PageStates | None, controls: dict[str, RequestControls],
-                 block_size: int, events: EventLog) -> None:
+                 page_states: PageStates | None, block_size: int, events: EventLog) -> None:
         self.tree = tree
         self.ops = ops
         self.groups = groups
@@ -60,7 +60,6 @@ class L2StorePlanner:
         self.write_policy = write_policy
         self.stats = stats
         self.page_states = page_states
-        self.controls = controls
         self.block_size = block_size
         self.events = events
         # Set once vLLM's block pool is known, under write_back only.
@@ -86,7 +85,7 @@ class L2StorePlanner:
             hi = self._completed_blocks(state, num_scheduled)
             if hi <= lo:
                 continue
-            store_hi = self._store_limit(req_id, lo, hi)
+            store_hi = self._store_limit(state, lo, hi)
             if store_hi <= lo:
                 pass
             elif self.write_back is not None:
@@ -102,10 +101,9 @@ class L2StorePlanner:
         return min(len(state.request.block_hashes), done_tokens // self.block_size,
                    len(state.block_ids))
 
-    def _store_limit(self, req_id: str, lo: int, hi: int) -> int:
+    def _store_limit(self, state: ReqState, lo: int, hi: int) -> int:
         """End of the blocks [lo, hi) the request's max_offload_tokens lets us store."""
-        controls = self.controls.get(req_id)
-        limit = controls.store_block_limit(self.block_size) if controls is not None else None
+        limit = state.controls.store_block_limit(self.block_size)
         if limit is None or hi <= limit:
             return hi
         self.stats.record_store_limited(hi - max(lo, limit))
@@ -130,7 +128,7 @@ class L2StorePlanner:
         want = self.write_policy.select(hashes, want)
         if not want:
             return []
-        pages = self.alloc_protecting(hashes, match.num_blocks, len(want), partial=True)
+        pages = self.alloc_up_to_protecting(hashes, match.num_blocks, len(want))
         if len(pages) < len(want):
             # Every other page is pinned: store the leading blocks we can.
             self.stats.record_store_skipped(len(want) - len(pages))
@@ -146,7 +144,8 @@ class L2StorePlanner:
         self.stats.record_store(len(want))
         return groups.pairs(state.group_block_ids, want, pages, with_state)
 
-    def insert_pinned(self, kind: OpKind, chain, blocks: list[int], pages: list[int],
+    def insert_pinned(self, kind: OpKind, chain: Sequence[bytes], blocks: list[int],
+                      pages: list[int],
                       step: int, priority: int = 0, request: Request | None = None) -> PageOp:
         """Index freshly allocated pages and pin them until their copy is
         acknowledged, before anything else in this step can allocate."""
@@ -160,15 +159,23 @@ class L2StorePlanner:
         self._stored_ranges.append(rng)
         return self.ops.open(kind, step, [rng])
 
-    def alloc_protecting(self, hashes, num_matched: int, num_pages: int,
-                         partial: bool = False) -> list[int] | None:
-        """Allocate pages without evicting the chain we are extending; with
-        ``partial``, as many as unpinned pages allow (maybe none)."""
+    def alloc_protecting(self, hashes: Sequence[bytes], num_matched: int,
+                         num_pages: int) -> list[int] | None:
+        """``num_pages`` pages, allocated without evicting the first
+        ``num_matched`` blocks of the chain we are extending; None when
+        unpinned pages do not suffice."""
+        return self._protecting(hashes, num_matched, lambda: self.tree.alloc(num_pages))
+
+    def alloc_up_to_protecting(self, hashes: Sequence[bytes], num_matched: int,
+                               num_pages: int) -> list[int]:
+        """As alloc_protecting, but as many pages as unpinned pages allow (maybe none)."""
+        return self._protecting(hashes, num_matched, lambda: self.tree.alloc_up_to(num_pages))
+
+    def _protecting(self, hashes: Sequence[bytes], num_matched: int,
+                    alloc: Callable[[], _T]) -> _T:
         lock = self.tree.lock(hashes, num_matched) if num_matched else None
         try:
-            if partial:
-                return self.tree.alloc_up_to(num_pages)
-            return self.tree.alloc(num_pages)
+            return alloc()
         finally:
             if lock is not None:
                 self.tree.unlock(lock)
