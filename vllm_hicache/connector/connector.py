@@ -44,6 +44,7 @@ from vllm_hicache.connector.worker import HiCacheWorker
 from vllm_hicache.kernels import kernel_io_missing
 from vllm_hicache.l3.setup import build_planner, check_shareable_hashes
 from vllm_hicache.logs import log_through_vllm
+from vllm_hicache.policy.prefetch import PrefetchPolicyName
 from vllm_hicache.redaction import redacted
 from vllm_hicache.scheduler.scheduler import HiCacheScheduler
 
@@ -149,10 +150,10 @@ def start_line(cfg: HiCacheConfig, geom: KVGeometry, num_pages: int, local_ranks
         parts.append("L3 off")
     else:
         wait = {
-            "timeout": f" wait={storage.prefetch_timeout_base:g}+"
+            PrefetchPolicyName.TIMEOUT: f" wait={storage.prefetch_timeout_base:g}+"
                        f"{storage.prefetch_timeout_per_ki_token:g}/Ki tokens"
                        f" (max {storage.prefetch_timeout_max:g}) s",
-            "wait_complete": f" wait<={storage.prefetch_timeout_max:g} s",
+            PrefetchPolicyName.WAIT_COMPLETE: f" wait<={storage.prefetch_timeout_max:g} s",
         }.get(storage.prefetch_policy, "")
         parts.append(
             f"L3 {storage.backend} prefetch={storage.prefetch_policy}{wait} "
