@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hicache.policy.prefetch import PREFETCH_POLICIES
+from vllm_hicache.policy.prefetch import PREFETCH_POLICIES, PrefetchPolicyName
 from vllm_hicache.redaction import redacted
 from vllm_hicache.storage.factory import backend_names
 from vllm_hicache.storage.options import (
@@ -52,7 +52,7 @@ class StorageConfig:
     backend: str
     # When a request may wait for its L3 -> L2 prefetch
     # (SGLang --hicache-storage-prefetch-policy).
-    prefetch_policy: str = "best_effort"
+    prefetch_policy: PrefetchPolicyName = PrefetchPolicyName.BEST_EFFORT
     # Shorter L3 hits (in tokens) are not prefetched.
     prefetch_threshold: int = option(256, parse=integer(1))
     # timeout policy: wait base + per_ki_token x tokens/1024 seconds, capped.
@@ -114,8 +114,9 @@ def parse_storage(keys: Mapping[str, Any]) -> StorageConfig | None:
             f"{', '.join(backend_names())} or remove them"
         )
     _check_choice("hicache_storage_backend", backend, backend_names())
-    policy = keys.get("hicache_storage_prefetch_policy", "best_effort")
+    policy = keys.get("hicache_storage_prefetch_policy", PrefetchPolicyName.BEST_EFFORT)
     _check_choice("hicache_storage_prefetch_policy", policy, PREFETCH_POLICIES)
+    policy = PrefetchPolicyName(policy)
     options = _load_extra(keys.get("hicache_storage_backend_extra_config"))
     knobs = {name: parse_value(_EXTRA, _KNOBS[name], options.pop(name))
              for name in _KNOBS if name in options}

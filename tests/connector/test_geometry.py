@@ -9,7 +9,9 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from tests.conftest import make_config
-from vllm_hicache.connector.geometry import fit_config_to_groups, geometry_from, host_num_pages
+from vllm_hicache.config import HiCacheConfig, finish_config
+from vllm_hicache.connector.connector import engine_facts
+from vllm_hicache.connector.geometry import geometry_from, host_num_pages
 
 
 def kv_config(*specs, num_blocks=100):
@@ -89,7 +91,7 @@ def test_mamba_with_head_slices_refused_naming_the_key():
     cfg = make_config(hicache_storage_backend="file",
                       hicache_storage_backend_extra_config={"path": "/tmp/x", "tp_lcm_size": 2})
     with pytest.raises(ValueError, match="tp_lcm_size .*Mamba"):
-        fit_config_to_groups(cfg, geom, {})
+        finish(cfg, geom)
 
 
 def test_mamba_groups_without_attention_refused():
@@ -114,18 +116,28 @@ def test_chunked_local_group_refused():
         geometry_from(kv_config(FULL, local))
 
 
+def finish(cfg: HiCacheConfig, geom):
+    """``cfg`` finished for ``geom`` on a CUDA-less platform; the rewrites."""
+    return finish_config(cfg, engine_facts(geom, None))
+
+
 def test_hybrid_load_mode_becomes_async_unless_set():
     geom = geometry_from(kv_config(SWA, FULL))
-    assert fit_config_to_groups(make_config(), geom, {}).hicache_load_mode == "async"
+    cfg, rewrites = finish(make_config(hicache_io_backend="direct"), geom)
+    assert cfg.hicache_load_mode == "async"
+    # The rewrite is reported (the scheduler half logs it), naming the groups.
+    assert [(r.key, r.old, r.new) for r in rewrites] == [("hicache_load_mode", "layerwise",
+                                                          "async")]
+    assert "2 KV cache groups: sliding+full" in str(rewrites[0])
     with pytest.raises(ValueError, match="hicache_load_mode=layerwise is not supported for "
                                          "hybrid models"):
-        fit_config_to_groups(make_config(hicache_load_mode="layerwise"), geom,
-                             {"hicache_load_mode": "layerwise"})
+        finish(make_config(hicache_load_mode="layerwise"), geom)
     with pytest.raises(ValueError, match="hicache_write_policy=write_back"):
-        fit_config_to_groups(make_config(hicache_write_policy="write_back"), geom, {})
+        finish(make_config(hicache_write_policy="write_back"), geom)
     # One group: nothing changes.
     single = geometry_from(kv_config(FULL))
-    assert fit_config_to_groups(make_config(), single, {}).hicache_load_mode == "layerwise"
+    cfg, rewrites = finish(make_config(hicache_io_backend="direct"), single)
+    assert (cfg.hicache_load_mode, rewrites) == ("layerwise", [])
 
 
 def test_sliding_window_in_full_attention_spec_is_served():

@@ -124,3 +124,28 @@ def test_unpinned_pool_falls_back_only_where_the_layout_allows_it():
     # page_first has no direct copy path, and the pool is already laid out.
     with pytest.raises(ValueError, match="memlock"):
         HiCacheWorker._without_pinning(make_config(hicache_mem_layout="page_first"))
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_rewrites_are_logged_once_by_the_scheduler_half(model_config, caplog, role):
+    """finish_config's rewrites are logged by the scheduler half only: each
+    worker makes the same ones from the same input and stays quiet."""
+    import logging
+
+    vllm_config = vllm_config_with(model_config)
+    vllm_config.kv_transfer_config.kv_connector_extra_config["hicache_mem_layout"] = "page_first"
+    with caplog.at_level(logging.WARNING, logger="vllm_hicache"):
+        connector = HiCacheConnector(vllm_config, role, kv_cache_config(TARGET_LAYERS))
+    try:
+        half = connector.scheduler if role == KVConnectorRole.SCHEDULER else connector.worker
+        assert half is not None and half.cfg.hicache_mem_layout == "page_first_direct"
+        rewrites = [r.getMessage() for r in caplog.records
+                    if "hicache_mem_layout" in r.getMessage()]
+        if role == KVConnectorRole.SCHEDULER:
+            assert rewrites == ["HiCache: hicache_mem_layout=page_first -> page_first_direct: "
+                                "page_first with hicache_io_backend=direct becomes "
+                                "page_first_direct (direct copies need page-contiguous runs)"]
+        else:
+            assert rewrites == []
+    finally:
+        connector.shutdown()

@@ -143,3 +143,19 @@ def test_option_files_are_bounded_regular_files(tmp_path):
                                              f"read the file '{path}': {problem}"):
             SecretDemo.from_options({"token": f"@{path}"})
     assert time.monotonic() - start < 5
+
+
+def test_named_accepts_an_enum_value_and_lists_them_all():
+    from enum import StrEnum
+
+    from vllm_hicache.storage.options import named
+
+    class Colour(StrEnum):
+        RED = "red"
+        BLUE = "blue"
+
+    parse = named(Colour)
+    assert parse("blue") is Colour.BLUE
+    for bad in ("green", 1, None, "Blue"):
+        with pytest.raises(ValueError, match="^accepted: red, blue$"):
+            parse(bad)

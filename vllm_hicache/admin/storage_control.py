@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_hicache import io_threads
 from vllm_hicache.common.jobs import BackupJob, StorageCommand
 from vllm_hicache.l3.backfill import Backfill
+from vllm_hicache.policy.write import WritePolicyName
 from vllm_hicache.redaction import REDACTED, redacted, shown_error
 from vllm_hicache.storage_config import StorageConfig
 
@@ -364,7 +365,7 @@ class StorageControl:
 
     def _write_policy_problem(self, name: str | None) -> str:
         current = self._sched.write_policy
-        if name is None or name == current or "write_back" not in (name, current):
+        if name is None or name == current or WritePolicyName.WRITE_BACK not in (name, current):
             return ""
         return (f"hicache_write_policy cannot change from {current} to {name} at run time "
                 "(write_back hooks vLLM's block pool at start); restart with it")

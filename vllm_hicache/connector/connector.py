@@ -8,17 +8,17 @@ it runs on the half that owns it. Use with ``kv_connector="HiCacheConnector"``
 
 Start-up logging: the scheduler half (one per engine) logs one INFO line with
 the resolved configuration (``start_line``: bytes and pages per tier, layout,
-policies, L3 backend with secrets redacted) and one warning per option that
-``resolve_conflicts`` rewrites. Worker halves resolve the same options from
-the same input and platform, so they rewrite them silently.
+policies, L3 backend with secrets redacted) and one warning per rewrite
+``config.finish_config`` returns. Worker halves finish the same options from
+the same input, model and platform, so they get the same rewrites and do not
+repeat them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,8 +35,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_hicache.admin.api import start_admin_api
 from vllm_hicache.admin.storage_control import make_control
-from vllm_hicache.config import HiCacheConfig, resolve_conflicts
-from vllm_hicache.connector.geometry import KVGeometry, fit_config_to_groups, geometry_from
+from vllm_hicache.config import EngineFacts, HiCacheConfig, LoadMode, finish_config
+from vllm_hicache.connector.geometry import KVGeometry, geometry_from
 from vllm_hicache.connector.kv_events import KVEventLog, kv_events_enabled
 from vllm_hicache.connector.metadata import HiCacheMetadata
 from vllm_hicache.connector.metrics import HiCacheKVConnectorStats, HiCachePromMetrics
@@ -44,8 +44,8 @@ from vllm_hicache.connector.worker import HiCacheWorker
 from vllm_hicache.kernels import kernel_io_missing
 from vllm_hicache.l3.setup import build_planner, check_shareable_hashes
 from vllm_hicache.logs import log_through_vllm
+from vllm_hicache.policy.prefetch import PrefetchPolicyName
 from vllm_hicache.redaction import redacted
-from vllm_hicache.scheduler.pd import pd_role
 from vllm_hicache.scheduler.scheduler import HiCacheScheduler
 
 if TYPE_CHECKING:
@@ -150,10 +150,10 @@ def start_line(cfg: HiCacheConfig, geom: KVGeometry, num_pages: int, local_ranks
         parts.append("L3 off")
     else:
         wait = {
-            "timeout": f" wait={storage.prefetch_timeout_base:g}+"
+            PrefetchPolicyName.TIMEOUT: f" wait={storage.prefetch_timeout_base:g}+"
                        f"{storage.prefetch_timeout_per_ki_token:g}/Ki tokens"
                        f" (max {storage.prefetch_timeout_max:g}) s",
-            "wait_complete": f" wait<={storage.prefetch_timeout_max:g} s",
+            PrefetchPolicyName.WAIT_COMPLETE: f" wait<={storage.prefetch_timeout_max:g} s",
         }.get(storage.prefetch_policy, "")
         parts.append(
             f"L3 {storage.backend} prefetch={storage.prefetch_policy}{wait} "
@@ -166,24 +166,17 @@ def start_line(cfg: HiCacheConfig, geom: KVGeometry, num_pages: int, local_ranks
     return "HiCache: " + "; ".join(parts)
 
 
-@contextlib.contextmanager
-def _config_warnings_muted() -> Iterator[None]:
-    """Drop the rewrite warnings of ``vllm_hicache.config`` while parsing.
+def engine_facts(geom: KVGeometry, kv_role: str | None) -> EngineFacts:
+    """What ``finish_config`` needs from vLLM and the platform, as plain values.
 
-    For the parses that repeat the scheduler half's: worker halves (same
-    options, same platform, so the same rewrites) and vLLM's config-time
-    capability query. One warning per rewritten option per engine.
-    """
-    config_logger = logging.getLogger("vllm_hicache.config")
-
-    def keep(record: logging.LogRecord) -> bool:
-        return record.levelno != logging.WARNING
-
-    config_logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        config_logger.removeFilter(keep)
+    ``kv_role``: HiCache's own, which in a MultiConnector is the instance's PD
+    role (scheduler/pd.py)."""
+    return EngineFacts(
+        kernel_io_missing=kernel_io_missing(current_platform.is_cuda()),
+        kv_role=kv_role,
+        kv_group_kinds=tuple(g.kind for g in geom.groups),
+        state_groups=bool(geom.mamba_groups),
+    )
 
 
 class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -195,18 +188,16 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         log_through_vllm()  # also where the plugin is filtered out by VLLM_PLUGINS
-        extra = self._kv_transfer_config.kv_connector_extra_config
-        # Resolved the same way in every process, so both halves (and the L3
-        # keys they derive) agree on the layout.
-        quiet = role != KVConnectorRole.SCHEDULER
-        with _config_warnings_muted() if quiet else contextlib.nullcontext():
-            cfg = resolve_conflicts(HiCacheConfig.from_extra_config(extra),
-                                    kernel_io_missing(current_platform.is_cuda()))
+        parsed = HiCacheConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
         check_speculative_decoding(vllm_config)
-        # In a MultiConnector, HiCache's own kv_role is the instance's PD role (pd.py).
-        pd_role(cfg, self._kv_transfer_config.kv_role)
         geom = geometry_from(kv_cache_config, vllm_config)
-        cfg = fit_config_to_groups(cfg, geom, extra)  # hybrid models (geometry.py)
+        # Finished alike in every process, so both halves (and the L3 keys
+        # they derive) agree on the layout; the scheduler half says what changed.
+        cfg, rewrites = finish_config(
+            parsed, engine_facts(geom, self._kv_transfer_config.kv_role))
+        if role == KVConnectorRole.SCHEDULER:
+            for rewrite in rewrites:
+                logger.warning("HiCache: %s", rewrite)
         if cfg.storage is not None:
             check_shareable_hashes(vllm_config)
         self.scheduler: HiCacheScheduler | None = None
@@ -236,10 +227,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Layerwise loads wait per layer, which full CUDA-graph replay skips.
-        with _config_warnings_muted():  # the scheduler half warns
-            cfg = HiCacheConfig.from_extra_config(extra_config)
+        cfg = HiCacheConfig.parse(extra_config)  # the scheduler half logs any rewrite
         # A decode-offload instance never loads (pd.py).
-        return cfg.hicache_load_mode == "layerwise" and not cfg.hicache_decode_offload
+        return cfg.hicache_load_mode == LoadMode.LAYERWISE and not cfg.hicache_decode_offload
 
     # --- scheduler half ----------------------------------------------------
 

@@ -31,7 +31,6 @@ and encoder-only attention, and groups excluded from KV transfer.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -277,44 +276,6 @@ def _check_mamba_group(spec: MambaSpec, attention: AttentionSpec, name: str) -> 
 def _block_shape(spec: AttentionSpec) -> tuple:
     return (spec.block_size, spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.dtype,
             spec.page_size_bytes, isinstance(spec, MLAAttentionSpec))
-
-
-def fit_config_to_groups(cfg: HiCacheConfig, geom: KVGeometry,
-                         extra: dict | None = None) -> HiCacheConfig:
-    """The configuration a hybrid model runs with; ValueError naming the key
-    of an option that cannot serve several KV cache groups.
-
-    - ``hicache_load_mode``: vLLM takes load failures of a multi-group model
-      only per request, and only for async loads (its ``invalid_block_ids``
-      path raises there), so loads are async. Left unset, it becomes async;
-      set to layerwise, the engine is refused.
-    - ``hicache_write_policy=write_back`` copies a block when vLLM reuses it,
-      which the pool reports per block of one group: refused.
-    - ``tp_lcm_size`` with a Mamba group: head slices of a raw state page
-      mean nothing: refused.
-    """
-    if geom.num_groups == 1:
-        return cfg
-    kinds = "+".join(g.kind for g in geom.groups)
-    if geom.mamba_groups and cfg.storage is not None and cfg.storage.tp_lcm_size:
-        # Head slices cut pages by attention heads; a state page is raw bytes.
-        raise ValueError(
-            f"tp_lcm_size (in hicache_storage_backend_extra_config) is not supported for "
-            f"models with Mamba / linear-attention state ({kinds}): their state pages cannot "
-            "be cut into head slices; leave it unset")
-    if cfg.hicache_write_policy == "write_back":
-        raise ValueError(
-            f"hicache_write_policy=write_back is not supported for hybrid models "
-            f"({geom.num_groups} KV cache groups: {kinds}); use write_through or "
-            "write_through_selective")
-    if cfg.hicache_load_mode != "async":
-        if extra is not None and "hicache_load_mode" in extra:
-            raise ValueError(
-                f"hicache_load_mode={cfg.hicache_load_mode} is not supported for hybrid "
-                f"models ({geom.num_groups} KV cache groups: {kinds}): vLLM can only be told "
-                "of a failed load per request, for async loads; set hicache_load_mode=async")
-        cfg = dataclasses.replace(cfg, hicache_load_mode="async")
-    return cfg
 
 
 def host_num_pages(cfg: HiCacheConfig, geom: KVGeometry) -> int:

@@ -42,6 +42,7 @@ from vllm_hicache.datapath.clock import CopyClock
 from vllm_hicache.datapath.grouped import block_view
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor
+from vllm_hicache.kernels.io_backends import IOBackend
 from vllm_hicache.l3.attach_worker import run_storage_command
 from vllm_hicache.l3.setup import build_storage_io, worker_id
 from vllm_hicache.l3.worker_io import StorageIO
@@ -129,7 +130,7 @@ class HiCacheWorker:
             for name, t in zip(self._layout_names(), tensors)
         ]
         pool = allocate_pool(self.num_pages, layouts, cfg.hicache_mem_layout, device)
-        if cfg.hicache_io_backend == "kernel" and not pool.is_pinned:
+        if cfg.hicache_io_backend == IOBackend.KERNEL and not pool.is_pinned:
             cfg = self._without_pinning(cfg)
         self.data = KVDataPath.build(
             tensors, layouts, pool, cfg.hicache_io_backend, clock=self.clock,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_hicache.host.layout_names import MEM_LAYOUTS, NATIVE_LAYOUTS
+from vllm_hicache.host.layout_names import MEM_LAYOUTS, NATIVE_LAYOUTS, MemLayout
 
 # Sizes or strides of the five block axes (see ``BlockDims``).
 Dims5 = tuple[int, int, int, int, int]
@@ -195,16 +195,16 @@ class HostLayout:
     @property
     def buffer_shape(self) -> tuple[int, ...]:
         o, pages, layers = self.order, self.num_pages, self.num_layers
-        if self.name == "layer_first":
+        if self.name == MemLayout.LAYER_FIRST:
             return (layers, pages, o.elems)
-        if self.name == "page_first_direct":
+        if self.name == MemLayout.PAGE_FIRST_DIRECT:
             return (pages, layers, o.elems)
         return (pages, o.planes, o.block_size, layers, o.heads, o.head_size)
 
     def rows(self, buffer: torch.Tensor) -> torch.Tensor:
         """``[num_pages, num_layers, E]`` rows of a native layout (a view)."""
         assert self.is_native, self.name
-        return buffer.transpose(0, 1) if self.name == "layer_first" else buffer
+        return buffer.transpose(0, 1) if self.name == MemLayout.LAYER_FIRST else buffer
 
     def cells(self, buffer: torch.Tensor) -> torch.Tensor:
         """``[num_pages, num_layers, planes, kernel_blocks, kernel_block_size,
@@ -226,9 +226,9 @@ class HostLayout:
         order of the page's L3 payload (l3_identity.page_format_of):
         layer_first the canonical order, page_first the page itself,
         page_first_direct the layers, each in the native block order."""
-        if self.name == "layer_first":
+        if self.name == MemLayout.LAYER_FIRST:
             return (0, 1, 2, 3, 4, 5)
-        if self.name == "page_first":
+        if self.name == MemLayout.PAGE_FIRST:
             return (1, 2, 3, 0, 4, 5)
         return (0, *(1 + axis for axis in self.order.nesting()))
 

@@ -8,9 +8,19 @@ stores where.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Final
 
-MEM_LAYOUTS: Final = ("layer_first", "page_first", "page_first_direct")
+
+class MemLayout(StrEnum):
+    """A host pool layout; a str, so it compares, prints and serialises as its name."""
+
+    LAYER_FIRST = "layer_first"
+    PAGE_FIRST = "page_first"
+    PAGE_FIRST_DIRECT = "page_first_direct"
+
+
+MEM_LAYOUTS: Final = tuple(MemLayout)
 
 # Layouts whose rows keep the L1 tensor's native block order.
-NATIVE_LAYOUTS: Final = ("layer_first", "page_first_direct")
+NATIVE_LAYOUTS: Final = (MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST_DIRECT)

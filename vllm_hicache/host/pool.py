@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from vllm_hicache.host.layout import BlockOrder, HostLayout, dtype_size, pool_bytes
+from vllm_hicache.host.layout_names import MemLayout
 from vllm_hicache.host.memory import MemInfo, check_fits, pin_buffer, unpin_address
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class HostKVPool:
 
     def page_run(self, page: int) -> torch.Tensor:
         """One page as one contiguous 1-D view (page-major layouts only)."""
-        if self.layout.name == "layer_first":
+        if self.layout.name == MemLayout.LAYER_FIRST:
             raise ValueError(
                 "layer_first pages are not contiguous (each layer's block sits "
                 "in its own plane); use page_first or page_first_direct"

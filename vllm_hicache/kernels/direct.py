@@ -29,6 +29,7 @@ from typing_extensions import override
 from vllm_hicache.host.pool import HostKVPool
 from vllm_hicache.kernels.base import KVTransfer, check_ids
 from vllm_hicache.kernels.device_layout import DeviceKVLayout
+from vllm_hicache.kernels.io_backends import IOBackend
 from vllm_hicache.kernels.plan import (
     CopyPair,
     Run,
@@ -45,7 +46,7 @@ MIN_RUN_BYTES = 8 << 10
 
 
 class DirectTransfer(KVTransfer):
-    io_backend = "direct"
+    io_backend = IOBackend.DIRECT
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from vllm_hicache.host.pool import HostKVPool
 from vllm_hicache.kernels.base import KVTransfer
 from vllm_hicache.kernels.device_layout import DeviceKVLayout
 from vllm_hicache.kernels.direct import DirectTransfer
-from vllm_hicache.kernels.io_backends import IO_BACKENDS
+from vllm_hicache.kernels.io_backends import IO_BACKENDS, IOBackend
 from vllm_hicache.kernels.kernel_transfer import KernelTransfer
 
 
@@ -36,7 +36,7 @@ def make_transfer(
         raise ValueError(
             f"unknown hicache_io_backend {io_backend!r}; accepted: {', '.join(IO_BACKENDS)}"
         )
-    if io_backend == "direct":
+    if io_backend == IOBackend.DIRECT:
         return DirectTransfer(kv_caches, layouts, pool)
     missing = kernel_io_missing(kv_caches[0].device.type == "cuda") or (
         "" if pool.is_pinned else "a pinned host pool")

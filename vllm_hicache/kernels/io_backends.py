@@ -8,7 +8,15 @@ backend a name stands for.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Final
 
-# "kernel": Triton copies (CUDA only); "direct": torch copies.
-IO_BACKENDS: Final = ("kernel", "direct")
+
+class IOBackend(StrEnum):
+    """A copy backend; a str, so it compares, prints and serialises as its name."""
+
+    KERNEL = "kernel"  # Triton copies (CUDA only)
+    DIRECT = "direct"  # torch copies
+
+
+IO_BACKENDS: Final = tuple(IOBackend)

@@ -24,6 +24,7 @@ from vllm_hicache.host.layout import as_dims5
 from vllm_hicache.host.pool import HostKVPool
 from vllm_hicache.kernels.base import KVTransfer, check_ids
 from vllm_hicache.kernels.device_layout import DeviceKVLayout
+from vllm_hicache.kernels.io_backends import IOBackend
 
 
 def _unit_bytes(*values: int) -> int:
@@ -34,7 +35,7 @@ def _unit_bytes(*values: int) -> int:
 
 
 class KernelTransfer(KVTransfer):
-    io_backend = "kernel"
+    io_backend = IOBackend.KERNEL
 
     def __init__(
         self,

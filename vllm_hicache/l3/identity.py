@@ -64,6 +64,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.geometry import KVGeometry
 from vllm_hicache.host.layout import BlockOrder, HostLayout
+from vllm_hicache.host.layout_names import MemLayout
 from vllm_hicache.kernels.device_layout import CPU_BACKENDS, PACKED_BACKENDS, describe_kv_tensor
 
 logger = logging.getLogger(__name__)
@@ -97,10 +98,10 @@ def page_format_of(layout: HostLayout, itemsize: int) -> str:
     layers, planes, tokens, heads, dim = (
         layout.num_layers, o.planes, o.block_size, o.heads, o.head_size
     )
-    if layout.name == "layer_first":
+    if layout.name == MemLayout.LAYER_FIRST:
         axes = _contiguous(("layer", layers), ("plane", planes), ("token", tokens),
                            ("head", heads), ("elem", dim))
-    elif layout.name == "page_first":
+    elif layout.name == MemLayout.PAGE_FIRST:
         axes = _contiguous(("plane", planes), ("token", tokens), ("layer", layers),
                            ("head", heads), ("elem", dim))
     else:
@@ -152,7 +153,7 @@ def expected_page_format(cfg: HiCacheConfig, geom: KVGeometry, vllm_config,
     heads = 1 if geom.is_mla else geom.num_kv_heads
     if slice_heads is not None:
         heads = slice_heads
-    if cfg.hicache_mem_layout == "page_first_direct":
+    if cfg.hicache_mem_layout == MemLayout.PAGE_FIRST_DIRECT:
         order = _expected_device_order(geom, vllm_config, heads)
     else:
         order = BlockOrder.canonical(planes, geom.block_size, heads, geom.head_size)

@@ -47,7 +47,7 @@ from vllm_hicache.planner.log_format import Admit
 from vllm_hicache.planner.model import L3Store, ReplayConfig, ReplayResult
 from vllm_hicache.policy import make_eviction_policy
 from vllm_hicache.policy.prefetch import prefetch_inflight_cap
-from vllm_hicache.policy.write import WritePolicy, hit_counter_slots
+from vllm_hicache.policy.write import WritePolicy, WritePolicyName, hit_counter_slots
 
 # A prefetch planned at step s is read during s + 1 and committed as its
 # output comes back: first usable by a request admitted at s + LAND_STEPS.
@@ -326,7 +326,7 @@ class Hierarchy:
 def replay(steps: list[Step], cfg: ReplayConfig) -> ReplayResult:
     """Replay ``l1_pass``'s steps through L2 and L3 of one size."""
     tiers = Hierarchy(cfg)
-    write_back = cfg.write_policy == "write_back"
+    write_back = cfg.write_policy == WritePolicyName.WRITE_BACK
     # The batch of one step: arrivals or admissions, never both at once.
     arrivals: list[ArriveStep] = []
     admits: list[AdmitStep] = []

@@ -16,6 +16,8 @@ from vllm_hicache.planner.log_format import AccessLog, Admit, LogHeader
 from vllm_hicache.planner.model import ReplayConfig, ReplayResult
 from vllm_hicache.planner.replay import replay
 from vllm_hicache.planner.reuse import ReuseProfile, knee, reuse_profile
+from vllm_hicache.policy.prefetch import PrefetchPolicyName
+from vllm_hicache.policy.write import WritePolicyName
 
 GB = 1e9
 SECONDS_PER_MONTH = 730 * 3600
@@ -157,11 +159,11 @@ def build_plan(log: AccessLog, cost: CostModel, l2_gb: list[float] | None = None
     admits = [r for r in log.records if isinstance(r, Admit)]
     duration_s = (admits[-1].t_ms - admits[0].t_ms) / 1000 if len(admits) > 1 else 0.0
     if prefetch_waits is None:
-        prefetch_waits = header.l3_prefetch_policy != "best_effort"
+        prefetch_waits = header.l3_prefetch_policy != PrefetchPolicyName.BEST_EFFORT
     profile = reuse_profile(log.records, header.block_size)
     default_l2, default_l3 = default_grid(header, profile)
     steps = l1_pass(log.records, sizing.l1_blocks(), header.block_size,
-                    keep_evicted=header.write_policy == "write_back")
+                    keep_evicted=header.write_policy == WritePolicyName.WRITE_BACK)
 
     def point(l2: float, l3: float | None) -> SweepPoint:
         cfg = _config(header, sizing, l2, l3, prefetch_waits)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
+from enum import StrEnum
 from typing import Protocol
 
 if sys.version_info >= (3, 12):
@@ -93,17 +94,28 @@ class PriorityPolicy(EvictionPolicy):
         return (node.priority, node.last_access_time)
 
 
-# name -> class; the order is the order listed in error messages.
+class EvictionPolicyName(StrEnum):
+    """radix_eviction_policy's values, in the order error messages list them
+    (a str: compares and prints as its name)."""
+
+    LRU = "lru"
+    LFU = "lfu"
+    FIFO = "fifo"
+    MRU = "mru"
+    FILO = "filo"
+    PRIORITY = "priority"
+
+
 _REGISTRY: dict[str, type[EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "lfu": LFUPolicy,
-    "fifo": FIFOPolicy,
-    "mru": MRUPolicy,
-    "filo": FILOPolicy,
-    "priority": PriorityPolicy,
+    EvictionPolicyName.LRU: LRUPolicy,
+    EvictionPolicyName.LFU: LFUPolicy,
+    EvictionPolicyName.FIFO: FIFOPolicy,
+    EvictionPolicyName.MRU: MRUPolicy,
+    EvictionPolicyName.FILO: FILOPolicy,
+    EvictionPolicyName.PRIORITY: PriorityPolicy,
 }
 
-EVICTION_POLICIES: tuple[str, ...] = tuple(_REGISTRY)
+EVICTION_POLICIES: tuple[str, ...] = tuple(EvictionPolicyName)
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:

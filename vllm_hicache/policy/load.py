@@ -84,8 +84,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from enum import StrEnum
 
-LOAD_DECISIONS = ("always", "auto")
+
+class LoadDecision(StrEnum):
+    """hicache_load_decision's values (a str: compares and prints as its name)."""
+
+    ALWAYS = "always"
+    AUTO = "auto"
+
+
+LOAD_DECISIONS = tuple(LoadDecision)
 
 # Decline only where loading is expected to take this much longer than computing.
 LOAD_MARGIN = 0.2
@@ -290,7 +299,7 @@ class LoadDecider:
 
     @property
     def auto(self) -> bool:
-        return self.mode == "auto"
+        return self.mode == LoadDecision.AUTO
 
     def observe_transfers(self, load: tuple[float, float] = (0.0, 0.0),
                           prefetch: tuple[float, float] = (0.0, 0.0)) -> None:

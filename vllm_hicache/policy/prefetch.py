@@ -15,7 +15,18 @@ Pure module: the L3 planner asks it, and keeps the lookups and deadlines.
 
 from __future__ import annotations
 
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+from enum import StrEnum
+
+
+class PrefetchPolicyName(StrEnum):
+    """hicache_storage_prefetch_policy's values (a str: compares and prints as its name)."""
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+PREFETCH_POLICIES = tuple(PrefetchPolicyName)
 # Share of the L2 pages beyond L1 that prefetches in flight may hold
 # (SGLang's cap): the rest keeps serving hits and stores meanwhile.
 PREFETCH_L2_SHARE = 0.8
@@ -42,13 +53,13 @@ class PrefetchPolicy:
 
     @property
     def ever_waits(self) -> bool:
-        return self.name != "best_effort"
+        return self.name != PrefetchPolicyName.BEST_EFFORT
 
     def wait_budget_s(self, num_tokens: int) -> float:
         """Longest wait for a prefetch of ``num_tokens`` tokens."""
-        if self.name == "best_effort":
+        if self.name == PrefetchPolicyName.BEST_EFFORT:
             return 0.0
-        if self.name == "wait_complete":
+        if self.name == PrefetchPolicyName.WAIT_COMPLETE:
             return self.timeout_max_s
         wait = self.timeout_base_s + self.timeout_per_ki_token_s * num_tokens / 1024
         return min(wait, self.timeout_max_s)

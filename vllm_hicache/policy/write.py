@@ -14,8 +14,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from enum import StrEnum
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+class WritePolicyName(StrEnum):
+    """hicache_write_policy's values (a str: compares and prints as its name)."""
+
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+WRITE_POLICIES = tuple(WritePolicyName)
 # Uses a block needs under write_through_selective before it is stored.
 SELECTIVE_WRITE_HITS = 2
 # Blocks the hit counter remembers, per L2 page (the engine and the
@@ -66,12 +76,13 @@ class WritePolicy:
                 f"unknown hicache_write_policy {name!r}; accepted: {', '.join(WRITE_POLICIES)}"
             )
         self.name = name
-        self.threshold = SELECTIVE_WRITE_HITS if name == "write_through_selective" else 1
+        self.threshold = (SELECTIVE_WRITE_HITS if name == WritePolicyName.WRITE_THROUGH_SELECTIVE
+                          else 1)
         self._counter = HitCounter(counter_capacity) if self.threshold > 1 else None
 
     @property
     def stores_on_compute(self) -> bool:
-        return self.name != "write_back"
+        return self.name != WritePolicyName.WRITE_BACK
 
     def record_use(self, hashes: Iterable[bytes]) -> None:
         if self._counter is not None:

@@ -3,7 +3,8 @@
 Both kinds of instance run vLLM's ``MultiConnector`` with ``NixlConnector``
 first and HiCache second (docs/pd.md). HiCache's
 entry carries the instance's role in its ``kv_role``, like the NixlConnector
-entry next to it, and ``config.check_kv_role`` refuses contradictions:
+entry next to it, and ``config.finish_config`` (its ``check_kv_role``) refuses
+contradictions at start:
 
 - ``PREFILL`` (``kv_role="kv_producer"``): HiCache works as on a single
   instance. A prefix in L1, L2 or L3 is loaded into vLLM's blocks before the

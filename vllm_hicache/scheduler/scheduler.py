@@ -41,7 +41,7 @@ from vllm_hicache.common.jobs import (
 from vllm_hicache.common.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
 from vllm_hicache.common.stats import HiCacheStats, SchedulerReport, key
-from vllm_hicache.config import HiCacheConfig
+from vllm_hicache.config import HiCacheConfig, LoadMode
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.metadata import HiCacheMetadata
 from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_has_block
@@ -50,7 +50,7 @@ from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import loadable_block_limit
 from vllm_hicache.l3.planner import L3Planner, PlannerContext
 from vllm_hicache.policy import make_eviction_policy
-from vllm_hicache.policy.write import WritePolicy, hit_counter_slots
+from vllm_hicache.policy.write import WritePolicy, WritePolicyName, hit_counter_slots
 from vllm_hicache.scheduler.access_log import open_access_log
 from vllm_hicache.scheduler.group_blocks import GroupBlocks
 from vllm_hicache.scheduler.inflight import InflightLoads
@@ -132,7 +132,7 @@ class HiCacheScheduler:
             make_eviction_policy(cfg.radix_eviction_policy),
             on_evict=self._on_l2_evict,
         )
-        self.load_async = cfg.hicache_load_mode == "async"
+        self.load_async = cfg.hicache_load_mode == LoadMode.ASYNC
         # False on a PD decode-offload instance (pd.py): NixlConnector alone loads.
         self.serves_hits = loads_hits(cfg)
         self.stats = HiCacheStats()
@@ -507,7 +507,7 @@ class HiCacheScheduler:
     def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
         self._block_pool = block_pool
         self._groups.bind(block_pool)
-        if self.cfg.hicache_write_policy == "write_back":
+        if self.cfg.hicache_write_policy == WritePolicyName.WRITE_BACK:
             self.stores.write_back = WriteBackWatcher(
                 block_pool, 2 * block_pool.num_gpu_blocks, on_reset=self._plan_write_backs
             )

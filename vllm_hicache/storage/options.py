@@ -31,6 +31,7 @@ import os
 import re
 import stat
 from collections.abc import Callable, Mapping
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 Parser = Callable[[Any], Any]
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 T = TypeVar("T", bound="DataclassInstance")
+E = TypeVar("E", bound=StrEnum)
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
@@ -45,10 +47,14 @@ _SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
 
 def option(default: Any = dataclasses.MISSING, *, parse: Parser,
            default_factory: Any = dataclasses.MISSING, hint: str = "",
-           repr: bool = True) -> Any:  # noqa: A002 - dataclasses.field's name
-    """A dataclass field parsed by ``parse``; ``hint`` follows its errors."""
+           repr: bool = True,  # noqa: A002 - dataclasses.field's name
+           shows_files: bool = False) -> Any:
+    """A dataclass field parsed by ``parse``; ``hint`` follows its errors.
+    ``shows_files``: a ``repr=False`` field whose errors still show a value
+    naming a file (``@path``: the name is no secret, and says which file)."""
     return dataclasses.field(default=default, default_factory=default_factory, repr=repr,
-                             metadata={"parse": parse, "hint": hint})
+                             metadata={"parse": parse, "hint": hint,
+                                       "shows_files": shows_files})
 
 
 class Options:
@@ -77,13 +83,20 @@ def parse_options(cls: type[T], options: Mapping[str, Any]) -> T:
 
 
 def parse_value(owner: str, field: dataclasses.Field, value: Any) -> Any:
-    """``value`` as ``field``'s parser makes it, or a ValueError naming it."""
+    """``value`` as ``field``'s parser makes it, or a ValueError naming it.
+
+    ``owner`` "" is for top-level keys (``kv_connector_extra_config``): the
+    error then names the key alone. A ``repr=False`` field's value is not
+    shown, except an ``@path`` one of a field declared ``shows_files``."""
     try:
         return field.metadata["parse"](value)
     except ValueError as err:
-        shown = f"={value!r}" if field.repr else ""
+        names_file = (field.metadata.get("shows_files", False) and isinstance(value, str)
+                      and value.startswith("@"))
+        shown = f"={value!r}" if field.repr or names_file else ""
         hint = field.metadata.get("hint")
-        raise ValueError(f"invalid {owner} option {field.name}{shown}: {err}"
+        where = f"{owner} option " if owner else ""
+        raise ValueError(f"invalid {where}{field.name}{shown}: {err}"
                          + (f" ({hint})" if hint else "")) from None
 
 
@@ -177,6 +190,18 @@ def choice(*values: str, ignore_case: bool = False) -> Parser:
                                      and value.lower() == accepted.lower()):
                 return accepted
         raise ValueError(f"expected one of {list(values)}")
+    return parse
+
+
+def named(names: type[E]) -> Callable[[Any], E]:
+    """One of the str-valued enum ``names``' values, as its member; the error
+    lists them all, in order."""
+    def parse(value: Any) -> E:
+        if isinstance(value, str):
+            for member in names:
+                if value == member.value:
+                    return member
+        raise ValueError(f"accepted: {', '.join(m.value for m in names)}")
     return parse
 
 

@@ -52,6 +52,7 @@ import torch
 
 from vllm_hicache import io_threads
 from vllm_hicache.host import HostKVPool
+from vllm_hicache.host.layout_names import MemLayout
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.storage.base import StorageBackend
 from vllm_hicache.storage.batching import chunks, map_slices
@@ -116,7 +117,7 @@ class PageStore:
                              f"{self._per_page} head slices")
         self._slice_heads = heads // self._per_page
         self._scratch_bytes = self.codec.scratch_bytes(self.payload_bytes)
-        self._zero_copy = pool.mem_layout != "layer_first" and self._per_page == 1
+        self._zero_copy = pool.mem_layout != MemLayout.LAYER_FIRST and self._per_page == 1
         if self._zero_copy:
             # Page p is bytes [p * page_bytes, (p + 1) * page_bytes) of the pool
             # (page-major layouts): a numpy slice per object, not a tensor view.
