@@ -212,8 +212,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("%s", start_line(cfg, geom, self.scheduler.num_pages,
                                          parallel.local_world_size))
             # Runtime attach/detach of L3 (admin/storage_control.py, admin/api.py).
-            self.scheduler.install_commands(make_control(self.scheduler, geom, vllm_config))
-            self._admin_api = start_admin_api(self.scheduler.storage_control, cfg, vllm_config)
+            control = make_control(self.scheduler, geom, vllm_config)
+            self.scheduler.install_commands(control)
+            self._admin_api = start_admin_api(control, cfg, vllm_config)
         else:
             self.worker = HiCacheWorker(cfg, geom, vllm_config)
 

@@ -44,6 +44,7 @@ from vllm_hicache.storage import StorageContext, create_backend
 from vllm_hicache.storage.format import HEADER_BYTES
 from vllm_hicache.storage.pages import PageStore
 from vllm_hicache.storage.sealing import make_codec
+from vllm_hicache.storage_config import StorageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, num_pages: 
     """The scheduler half's L3 planner; ``ctx``: the scheduler state it acts
     on (``HiCacheScheduler.l3_context``; None builds one that only names
     keys and queries the store, for tools and tests)."""
-    storage = cfg.storage
+    storage = _storage_of(cfg)
     parallel = vllm_config.parallel_config
     tp_size = parallel.tensor_parallel_size
     tp_ranks = [0] if geom.is_mla else list(range(tp_size))
@@ -173,11 +174,19 @@ def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, num_pages: 
     )
 
 
+def _storage_of(cfg: HiCacheConfig) -> StorageConfig:
+    """The L3 configuration the tier is built from: callers build one only
+    when a backend is configured (or being attached)."""
+    if cfg.storage is None:
+        raise ValueError("no L3 backend is configured (hicache_storage_backend)")
+    return cfg.storage
+
+
 def build_storage_io(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, pool,
                      canary_pages: tuple[int, int] | None = None) -> StorageIO:
     """``canary_pages``: two free host pages for the canary when L2 is in
     use (an attach at run time); None at start (l3_canary)."""
-    storage = cfg.storage
+    storage = _storage_of(cfg)
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     tp_rank, pp_rank = worker_ranks(vllm_config)
     expected = namespace(cfg, geom, vllm_config, tp_rank, pp_rank)

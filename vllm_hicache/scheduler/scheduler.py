@@ -223,7 +223,7 @@ class HiCacheScheduler:
         if name == self.stores.write_policy.name:
             return
         self.stores.write_policy = WritePolicy(name, hit_counter_slots(self.num_pages))
-        self.cfg = dataclasses.replace(self.cfg, hicache_write_policy=name)
+        self.cfg = dataclasses.replace(self.cfg, hicache_write_policy=WritePolicyName(name))
 
     def occupancy(self) -> dict[str, int]:
         """L2 pages by state, for the admin API."""
