@@ -41,6 +41,7 @@ from typing import Any
 
 from vllm_hicache.host.layout_names import MEM_LAYOUTS, MemLayout
 from vllm_hicache.kernels.io_backends import IO_BACKENDS, IOBackend
+from vllm_hicache.option_file import read_option_file
 from vllm_hicache.policy.eviction import EVICTION_POLICIES, EvictionPolicyName
 from vllm_hicache.policy.load import LoadDecision
 from vllm_hicache.policy.write import WritePolicyName
@@ -49,7 +50,6 @@ from vllm_hicache.storage.options import (
     named,
     option,
     parse_value,
-    read_option_file,
     reject_unknown,
 )
 from vllm_hicache.storage_config import STORAGE_KEYS, StorageConfig, parse_storage

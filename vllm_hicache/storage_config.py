@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_hicache.option_file import read_option_file
 from vllm_hicache.policy.prefetch import PREFETCH_POLICIES, PrefetchPolicyName
 from vllm_hicache.redaction import redacted
 from vllm_hicache.storage.factory import backend_names
@@ -30,7 +31,6 @@ from vllm_hicache.storage.options import (
     number,
     option,
     parse_value,
-    read_option_file,
 )
 from vllm_hicache.storage_secret import LABEL_OBJECT_NAMES, StorageSecret
 from vllm_hicache.storage_secret import OPTION as SECRET_OPTION

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from vllm_hicache.storage.options import read_option_file
+from vllm_hicache.option_file import read_option_file
 
 OPTION = "storage_secret"
 MIN_SECRET_BYTES = 16

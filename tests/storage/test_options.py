@@ -11,11 +11,11 @@ import time
 
 import pytest
 
+from vllm_hicache.option_file import MAX_OPTION_FILE_BYTES, read_option_file
 from vllm_hicache.storage.file.config import FileBackendConfig
 from vllm_hicache.storage.mooncake.config import MooncakeConfig
 from vllm_hicache.storage.nixl.config import NixlConfig
 from vllm_hicache.storage.options import (
-    MAX_OPTION_FILE_BYTES,
     Options,
     choice,
     flag,
@@ -23,7 +23,6 @@ from vllm_hicache.storage.options import (
     number,
     option,
     permissions,
-    read_option_file,
     secret,
     size,
     string_map,
