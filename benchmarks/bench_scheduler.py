@@ -83,7 +83,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_hicache.common.jobs import HiCacheMetadata  # noqa: E402
+from vllm_hicache.connector.metadata import HiCacheMetadata  # noqa: E402
 
 # KV geometry of the fake cache: only sizes matter (no tensor is allocated).
 HEADS, HEAD_SIZE, LAYERS = 2, 32, 2
