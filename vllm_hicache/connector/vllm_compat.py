@@ -65,7 +65,7 @@ def engine_loop_waker() -> Callable[[], None] | None:
 
 
 def watch_block_pool(pool, on_reuse: Callable[[object], None],
-                     on_reset: Callable[[list[tuple[object, int]]], None]) -> None:
+                     on_reset: Callable[[list[tuple[bytes, int]]], None]) -> None:
     """Call ``on_reuse(block)`` for each cached block vLLM is about to hand
     out again (its KV is about to be overwritten), and ``on_reset(cached)``
     with the ``(block_hash, block_id)`` of every cached block a successful

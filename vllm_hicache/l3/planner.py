@@ -76,6 +76,13 @@ class LoadGateLike(Protocol):
 Alloc = Callable[[Sequence[bytes], int, int], "list[int] | None"]
 
 
+def _allocator(alloc: Alloc | None) -> Alloc:
+    """The context's allocator, where a prefetch needs pages."""
+    if alloc is None:
+        raise RuntimeError("the L3 planner's context has no page allocator: it cannot prefetch")
+    return alloc
+
+
 @dataclass
 class PlannerContext:
     """The scheduler half's state the L3 planner acts on: its L2 index and
@@ -277,8 +284,8 @@ class L3Planner:
                     jobs.append(job)
         return jobs
 
-    def _start_op(self, lookup: _Lookup, tree: HiRadixTree, alloc,
-                  gate=None) -> PrefetchJob | None:
+    def _start_op(self, lookup: _Lookup, tree: HiRadixTree, alloc: Alloc | None,
+                  gate: LoadGateLike | None = None) -> PrefetchJob | None:
         lookup.done = True  # unless an op starts below
         end = lookup.start + self._hit(lookup)
         matched = tree.match(lookup.chain[:end]).pages
@@ -295,7 +302,7 @@ class L3Planner:
             if end - start >= self.threshold_blocks:
                 self.prefetch_revoked += 1  # the in-flight cap
             return None
-        pages = alloc(lookup.chain, len(matched), num)
+        pages = _allocator(alloc)(lookup.chain, len(matched), num)
         if pages is None:
             self.prefetch_revoked += 1  # every page pinned
             return None
@@ -308,7 +315,8 @@ class L3Planner:
         lookup.op, lookup.done = op, False
         return PrefetchJob(op.op_id, op.chain[start:], tuple(pages))
 
-    def _probe(self, lookup: _Lookup, hit: int, tree: HiRadixTree, alloc) -> list[PrefetchJob]:
+    def _probe(self, lookup: _Lookup, hit: int, tree: HiRadixTree,
+               alloc: Alloc | None) -> list[PrefetchJob]:
         """Read (part of) a declined hit nobody waits for, blocks already in
         L2 included, to measure L3 again: the only way a tier whose hits are
         all declined can show it got faster. Pages of blocks L2 already has
@@ -317,7 +325,7 @@ class L3Planner:
         if num <= 0:
             return []
         chain = lookup.chain[: lookup.start + num]
-        pages = alloc(chain, len(tree.match(chain).pages), num)
+        pages = _allocator(alloc)(chain, len(tree.match(chain).pages), num)
         if pages is None:
             return []
         op = _Op(next(self._op_ids), chain, lookup.start, pages)
@@ -326,7 +334,7 @@ class L3Planner:
         self._inflight_pages += num
         return [PrefetchJob(op.op_id, chain[lookup.start :], tuple(pages))]
 
-    def _count_declined(self, gate, num_blocks: int) -> None:
+    def _count_declined(self, gate: LoadGateLike, num_blocks: int) -> None:
         """A declined lookup found ``num_blocks`` blocks its request computes instead."""
         if num_blocks >= self.threshold_blocks:
             gate.record("L3", False, num_blocks * self.block_size)

@@ -41,8 +41,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from vllm_hicache import io_threads
 from vllm_hicache.planner.log_format import (
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 
     from vllm_hicache.config import HiCacheConfig
     from vllm_hicache.connector.geometry import KVGeometry
+    from vllm_hicache.l3.planner import L3Planner
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +83,11 @@ CLOSE_TIMEOUT_S = 5.0
 MAX_LIVE = 1 << 20
 
 
-def _never_raises(method):
+def _never_raises(method: Callable[..., None]) -> Callable[..., None]:
     """A bug in the log must never fail a request: it turns the log off."""
 
     @functools.wraps(method)
-    def call(self, *args, **kwargs):
+    def call(self: AccessLogWriter, *args: Any, **kwargs: Any) -> None:
         if self._broken:
             self.num_dropped += 1
             return
@@ -107,7 +109,8 @@ class NullAccessLog:
     def arrive(self, request: Request, step: int = 0) -> None:
         pass
 
-    def admit(self, request: Request, l1_tokens: int, hit_tokens: int, l3=None,
+    def admit(self, request: Request, l1_tokens: int, hit_tokens: int,
+              l3: L3Planner | None = None,
               step: int = 0) -> None:
         pass
 
@@ -160,7 +163,8 @@ class AccessLogWriter(NullAccessLog):
             self._put((ARRIVE, self._now_ms(), seq, step))
 
     @_never_raises
-    def admit(self, request: Request, l1_tokens: int, hit_tokens: int, l3=None,
+    def admit(self, request: Request, l1_tokens: int, hit_tokens: int,
+              l3: L3Planner | None = None,
               step: int = 0) -> None:
         """A request got its blocks in scheduler step ``step``: ``l1_tokens``
         from vLLM's cache, then ``hit_tokens`` from HiCache; ``l3`` (the

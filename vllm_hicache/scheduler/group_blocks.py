@@ -21,10 +21,19 @@ and a hit must end at a page whose state is valid (``PageStates.usable``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from vllm_hicache.common.jobs import BlockCopy, BlockPage, merge_copies
 from vllm_hicache.connector.geometry import KVGeometry
 from vllm_hicache.connector.vllm_compat import l1_block_holds, null_block_id
 from vllm_hicache.scheduler.request_state import ReqState
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+
+# One request's block ids per KV cache group (vLLM's block tables).
+GroupIds = Sequence[Sequence[int]]
 
 
 class GroupBlocks:
@@ -36,10 +45,10 @@ class GroupBlocks:
         self.sliding_windows = [g.sliding_window_tokens for g in geom.groups
                                 if g.sliding_window_tokens]
         self.mamba_groups = geom.mamba_groups
-        self.block_pool = None
+        self.block_pool: BlockPool | None = None
         self.null_block_id = 0  # vLLM's null block, read from the pool once bound
 
-    def bind(self, block_pool) -> None:
+    def bind(self, block_pool: BlockPool) -> None:
         self.block_pool = block_pool
         self.null_block_id = null_block_id(block_pool)
 
@@ -48,7 +57,8 @@ class GroupBlocks:
         """More than one KV cache group: positions need the checks below."""
         return self.geom.num_groups > 1
 
-    def pairs(self, group_ids, positions, pages, with_state=None) -> list[BlockPage]:
+    def pairs(self, group_ids: GroupIds, positions: Sequence[int], pages: Sequence[int],
+              with_state: Sequence[bool] | None = None) -> list[BlockPage]:
         """The (block, page) pairs copying block positions ``positions`` to or
         from ``pages`` (in step): one group's block ids, or for hybrid models
         every group's block at each position as group block ids
@@ -67,7 +77,7 @@ class GroupBlocks:
                     pairs.append(BlockPage(self.geom.group_block_id(group, block), page))
         return pairs
 
-    def load_copy(self, group_ids, start: int, pages) -> BlockCopy:
+    def load_copy(self, group_ids: GroupIds, start: int, pages: Sequence[int]) -> BlockCopy:
         """The copy of a hit loading ``pages`` into block positions ``start,
         start+1, ...``; one group's copy without building pairs (every
         request's hit goes through here)."""

@@ -44,12 +44,21 @@ every park or unpark is paid by an observation or a drop.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_hicache.connector.vllm_compat import watch_block_pool
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import block_hash_of_group_key
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+# alloc(chain, num_matched, num_pages) -> pages, or None when L2 is full.
+Alloc = Callable[[Sequence[bytes], int, int], "list[int] | None"]
+# insert(chain, page): index a new page for the chain's last block.
+Insert = Callable[[list[bytes], int], None]
 
 _MISSING = object()
 
@@ -64,7 +73,8 @@ class WriteBackCopy(NamedTuple):
 
 
 class WriteBackWatcher:
-    def __init__(self, block_pool, max_tracked_blocks: int, on_reset=None) -> None:
+    def __init__(self, block_pool: BlockPool, max_tracked_blocks: int,
+                 on_reset: Callable[[], None] | None = None) -> None:
         if not block_pool.enable_caching:
             raise ValueError(
                 "hicache_write_policy=write_back needs vLLM's prefix caching "
@@ -87,12 +97,12 @@ class WriteBackWatcher:
         self._on_reset = on_reset
         watch_block_pool(block_pool, self._record, self._record_reset)
 
-    def _record_reset(self, cached) -> None:
+    def _record_reset(self, cached: list[tuple[bytes, int]]) -> None:
         self._evicted += [(block_hash_of_group_key(key), block_id) for key, block_id in cached]
         if self._on_reset is not None:
             self._on_reset()
 
-    def _record(self, block) -> None:
+    def _record(self, block: KVCacheBlock) -> None:
         self._evicted.append((block_hash_of_group_key(block.block_hash), block.block_id))
 
     @property
@@ -136,7 +146,8 @@ class WriteBackWatcher:
     def clear_l2(self) -> None:
         self.forget(list(self._in_l2))
 
-    def plan(self, tree: HiRadixTree, alloc, insert=None) -> list[WriteBackCopy]:
+    def plan(self, tree: HiRadixTree, alloc: Alloc,
+             insert: Insert | None = None) -> list[WriteBackCopy]:
         """Pages for the blocks evicted from L1 since the last call.
 
         ``alloc(chain, num_matched, num_pages)`` returns pages or None;
@@ -190,8 +201,8 @@ class WriteBackWatcher:
     def _store(
         self,
         tree: HiRadixTree,
-        alloc,
-        insert,
+        alloc: Alloc,
+        insert: Insert | None,
         chain: list[bytes],
         block_id: int,
         copies: list[WriteBackCopy],
@@ -206,7 +217,8 @@ class WriteBackWatcher:
         if insert is not None:
             insert(chain, pages[0])
         else:
-            unused = tree.insert(chain, [None] * (len(chain) - 1) + pages)
+            placeholders: list[int | None] = [None] * (len(chain) - 1)
+            unused = tree.insert(chain, [*placeholders, *pages])
             assert not unused, unused  # match() said the block had no page
         copies.append(WriteBackCopy(block_id, pages[0], chain))
         return True
