@@ -69,7 +69,7 @@ serve: $(STAMP) $(MODEL)/.complete
 lint: $(STAMP)
 	$(PY) -m ruff check vllm_hicache tests benchmarks examples scripts
 	$(PY) -m mypy
-	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-logo
 
 # pytest exit 5 (nothing collected) is a failure, like any other non-zero.
 test: $(STAMP) $(MODEL)/.complete lint
