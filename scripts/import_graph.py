@@ -39,7 +39,7 @@ FLOORS: list[list[str]] = [
     ["storage_config", "index"],
     ["storage", "policy"],
     ["kernels", "storage_secret"],
-    ["host", "keys", "daemon_pool", "redaction", "logs", "option_file"],
+    ["host", "keys", "daemon_pool", "redaction", "logs", "option_file", "lazy_exports"],
     ["io_threads"],
 ]
 

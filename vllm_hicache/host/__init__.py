@@ -6,8 +6,9 @@ the pure ``layout_names`` (which ``config.py`` does) never imports torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from vllm_hicache.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from vllm_hicache.host.layout import BlockOrder, HostLayout, page_bytes, pool_bytes
@@ -46,12 +47,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

@@ -9,8 +9,9 @@ importing this package never imports triton (``triton_copy`` is loaded by
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from vllm_hicache.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from vllm_hicache.kernels.base import KVTransfer
@@ -50,12 +51,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())
