@@ -81,13 +81,17 @@ test-fast: $(STAMP)
 	scripts/in_private_net.sh $(PY) -m pytest -q -m "not engine"
 
 # Long runs behind a flag (before resolving hardening work): the randomized
-# scheduler-half stress at 24 seeds x 3000 steps, and 3000 requests through a
-# real engine with aborts and a stalling L3 (RSS curve: .cache/soak-rss.txt).
+# scheduler-half stress at 24 seeds x 3000 steps, 3000 requests through a
+# real engine with aborts and a stalling L3 (RSS curve: .cache/soak-rss.txt),
+# the node tier's multi-process kill stress at 4 seeds x 40 rounds, and the
+# three-server node-tier rotation again with a file L3 behind the tier.
 soak: $(STAMP) $(MODEL)/.complete
 	HICACHE_STRESS_STEPS=3000 HICACHE_STRESS_SEEDS=24 \
 		$(PY) -m pytest -q tests/connector/test_stress.py
 	HICACHE_SOAK=1 HICACHE_SOAK_REPORT=.cache/soak-rss.txt \
 		$(PY) -m pytest -q -s tests/e2e/test_soak.py
+	HICACHE_SOAK=1 $(PY) -m pytest -q -m soak tests/node/test_stress.py
+	HICACHE_SOAK=1 $(PY) -m pytest -q tests/e2e/test_node_tier_serve.py -k "node+file"
 
 # pytest-benchmark over the index, the copies, sealing and the scheduler half
 # (benchmarks/micro, about a minute): saved in .benchmarks/, compared with the
@@ -114,6 +118,7 @@ bench: $(STAMP) $(MODEL)/.complete $(DEMO_MODEL)/.complete bench-micro
 	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_mooncake.py
 	$(PY) benchmarks/bench_l3_nixl.py
 	$(PY) benchmarks/bench_load_decision.py --model $(DEMO_MODEL)
+	$(PY) benchmarks/bench_node_tier.py --quick --model $(DEMO_MODEL)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # vllm_hicache, for the report
 
 from e2e import prom, report  # noqa: E402
 from e2e.client import run_workload  # noqa: E402

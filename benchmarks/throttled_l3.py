@@ -14,6 +14,7 @@ they found, writes for the bytes they write; lookups are free.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -59,4 +60,34 @@ class ThrottledFileBackend(FileBackend):
 
     def put(self, keys: Sequence[str], sources: Sequence[Buffers]) -> list[bool]:
         self.write_link.cross(sum(b.nbytes for bufs in sources for b in bufs))
+        return super().put(keys, sources)
+
+
+class StallingFileBackend(FileBackend):
+    """The ``file`` backend, every call of which (lookups too) first sleeps
+    ``stall_s`` seconds while the file ``stall_flag`` exists: a store that
+    turns unresponsive mid-run (bench_l3_breaker.py)."""
+
+    name = "stalling-file"
+
+    def __init__(self, options: Mapping[str, Any], ctx: StorageContext) -> None:
+        options = dict(options)
+        self.stall_s = float(options.pop("stall_s", 2.0))
+        self.stall_flag = str(options.pop("stall_flag"))
+        super().__init__(options, ctx)
+
+    def _stall(self) -> None:
+        if os.path.exists(self.stall_flag):
+            time.sleep(self.stall_s)
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        self._stall()
+        return super().exists_prefix(keys)
+
+    def get(self, keys: Sequence[str], targets: Sequence[Buffers]) -> list[bool]:
+        self._stall()
+        return super().get(keys, targets)
+
+    def put(self, keys: Sequence[str], sources: Sequence[Buffers]) -> list[bool]:
+        self._stall()
         return super().put(keys, sources)

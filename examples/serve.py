@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_hicache.config import admin_key_file
+from vllm_hicache.config_admin import admin_key_file
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"

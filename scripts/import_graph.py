@@ -35,11 +35,13 @@ FLOORS: list[list[str]] = [
     ["connector.metadata", "connector.metrics", "connector.kv_events"],
     ["connector.geometry", "connector.vllm_compat"],
     ["datapath", "common", "planner"],
+    ["config_finish"],
     ["config"],
-    ["storage_config", "index"],
+    ["storage_config", "config_admin", "index"],
     ["storage", "policy"],
     ["kernels", "storage_secret"],
-    ["host", "keys", "daemon_pool", "redaction", "logs", "option_file", "lazy_exports"],
+    ["host", "keys", "daemon_pool", "redaction", "logs", "option_file", "lazy_exports",
+     "node"],
     ["io_threads"],
 ]
 

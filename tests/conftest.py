@@ -1,8 +1,13 @@
-"""Shared fixtures: config builders and the local tiny model."""
+"""Shared fixtures: config builders, the local tiny model, and a tmpfs
+directory for a node tier."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,3 +37,13 @@ def tiny_gemma3_dir() -> Path:
     from tests.hybrid_models import build_tiny_gemma3
 
     return build_tiny_gemma3(REPO / ".cache" / "tiny-gemma3-untied", tie_word_embeddings=False)
+
+
+@pytest.fixture
+def node_root() -> Iterator[str]:
+    """A fresh tmpfs directory for a node tier (its own directory goes
+    inside), removed after the test."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = tempfile.mkdtemp(prefix="hicache-node-test-", dir=base)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

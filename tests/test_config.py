@@ -116,3 +116,28 @@ def test_redacted_strips_url_and_query_secrets():
     assert shown["ok"] == 3 and "db=1" in text and "sig=1" in text and "alice" not in text
     assert redacted("error: cannot reach redis://h:1/0?password=hunter2 (refused)") == \
         "error: cannot reach redis://h:1/0?password=<redacted> (refused)"
+
+
+def test_l3_breaker_keys():
+    cfg = make_config()
+    assert cfg.l3_breaker and cfg.l3_breaker_window_s == 10.0
+    assert cfg.l3_breaker_latency_budget_ms == 1000.0 and cfg.l3_breaker_probe_interval_s == 1.0
+    cfg = make_config(l3_breaker_window_s=2, l3_breaker_latency_budget_ms=250,
+                      l3_breaker_probe_interval_s=0.5)
+    assert (cfg.l3_breaker_window_s, cfg.l3_breaker_latency_budget_ms,
+            cfg.l3_breaker_probe_interval_s) == (2.0, 250.0, 0.5)
+    assert not make_config(l3_breaker=False).l3_breaker
+
+
+@pytest.mark.parametrize("key, value", [
+    ("l3_breaker", "yes"), ("l3_breaker_window_s", -1), ("l3_breaker_latency_budget_ms", 0),
+    ("l3_breaker_probe_interval_s", 0), ("l3_breaker_window_s", float("inf")),
+])
+def test_l3_breaker_bad_values_name_the_key(key, value):
+    with pytest.raises(ValueError, match=key):
+        make_config(**{key: value})
+
+
+def test_l3_breaker_settings_with_the_breaker_off_are_refused():
+    with pytest.raises(ValueError, match="l3_breaker_window_s: set, but l3_breaker is false"):
+        make_config(l3_breaker=False, l3_breaker_window_s=3)

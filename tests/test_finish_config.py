@@ -1,11 +1,12 @@
-"""config.finish_config: the one function that finishes a parsed configuration."""
+"""config_finish.finish_config: the one function that finishes a parsed configuration."""
 
 import json
 import logging
 
 import pytest
 
-from vllm_hicache.config import EngineFacts, HiCacheConfig, Rewrite, finish_config
+from vllm_hicache.config import HiCacheConfig, Rewrite
+from vllm_hicache.config_finish import EngineFacts, finish_config
 from vllm_hicache.host.layout_names import MemLayout
 from vllm_hicache.kernels.io_backends import IOBackend
 

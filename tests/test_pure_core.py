@@ -1,4 +1,4 @@
-"""The pure core (index/, policy/, planner/, config.py, keys.py) imports neither torch nor vllm."""
+"""The pure core (index/, policy/, planner/, config*.py, keys.py) imports neither torch nor vllm."""
 
 import subprocess
 import sys
@@ -7,6 +7,8 @@ import textwrap
 PURE_MODULES = [
     "vllm_hicache",
     "vllm_hicache.config",
+    "vllm_hicache.config_admin",
+    "vllm_hicache.config_finish",
     "vllm_hicache.storage_config",
     "vllm_hicache.keys",
     "vllm_hicache.index",
@@ -28,6 +30,8 @@ PURE_MODULES = [
     "vllm_hicache.planner.report",
     "vllm_hicache.planner.plots",
     "vllm_hicache.planner.__main__",
+    # The node tier: shared-memory pages and their index, pure Python.
+    "vllm_hicache.node",
 ]
 
 

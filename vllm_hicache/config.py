@@ -1,7 +1,9 @@
 """HiCache configuration, parsed once from ``kv_connector_extra_config``.
 
 Invariant: every key a user can set is read here and nowhere else, and every
-decision about the configuration is taken here. Each key is a field of
+decision about the configuration is taken here or in the two modules beside
+it: config_admin.py (the admin API's value parsers) and config_finish.py
+(fitting the configuration to one engine). Each key is a field of
 ``HiCacheConfig`` declared with ``option(default, parse=...)``
 (storage/options.py, as the storage backends' options): its default, its
 parser and its error live on the field. Unknown keys, wrong types and
@@ -12,51 +14,67 @@ of names are str-valued enums owned by the floor that acts on them
 
 Two steps, both pure:
 
-- ``HiCacheConfig.parse`` checks keys, values and the combinations that do
-  not depend on the engine (admin API binding, decode offload).
-- ``finish_config`` takes the facts the connector extracts from vLLM and the
-  platform (``EngineFacts``) and returns the configuration the engine runs
-  with, plus the ``Rewrite`` s it made: incompatible layout / copy backend
-  pairs, the copy backend this platform lacks, a hybrid model's load mode;
-  or refuses a contradiction (PD role, hybrid models). It logs nothing: the
-  scheduler half logs the rewrites once per engine.
+- ``HiCacheConfig.parse`` (here) checks keys, values and the combinations
+  that do not depend on the engine (admin API binding, decode offload).
+- ``config_finish.finish_config`` takes the facts the connector extracts
+  from vLLM and the platform and returns the configuration the engine runs
+  with, plus the ``Rewrite`` s it made, or refuses a contradiction. The
+  copy backend / host layout pair it settles is decided here
+  (``resolve_pair``), as tools and tests need it without an engine.
 
 ``HiCacheConfig.from_extra_config`` (parse, then the platform-independent
-rewrites, each logged) is for tools and tests. Pure module: imports neither
-torch nor vllm.
+rewrites, each logged: ``resolve_conflicts``) is for tools and tests. Pure
+module: imports neither torch nor vllm.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
+from vllm_hicache.config_admin import (
+    ADMIN_KEY_AUTO,
+    ADMIN_KEY_NONE,
+    is_loopback,
+    parse_admin_host,
+    parse_admin_key,
+    parse_admin_port,
+    parse_dynamic_modules,
+    parse_file_dirs,
+    parse_key_dir,
+)
 from vllm_hicache.host.layout_names import MEM_LAYOUTS, MemLayout
 from vllm_hicache.kernels.io_backends import IO_BACKENDS, IOBackend
-from vllm_hicache.option_file import read_option_file
+from vllm_hicache.node import DEFAULT_ROOT as NODE_TIER_ROOT
+from vllm_hicache.node import check_name as check_node_tier_name
+from vllm_hicache.policy.admission import ALWAYS, AdmissionRule, L3Mode, parse_admission
 from vllm_hicache.policy.eviction import EVICTION_POLICIES, EvictionPolicyName
 from vllm_hicache.policy.load import LoadDecision
-from vllm_hicache.policy.write import WritePolicyName
+from vllm_hicache.policy.storage_switch import StorageSwitch
+from vllm_hicache.policy.write import WritePolicyName, l2_admission_rule
 from vllm_hicache.storage.options import (
     flag,
     named,
+    number,
     option,
     parse_value,
     reject_unknown,
 )
-from vllm_hicache.storage_config import STORAGE_KEYS, StorageConfig, parse_storage
+from vllm_hicache.storage_config import (
+    NODE_ONLY_BACKEND,
+    STORAGE_KEYS,
+    StorageConfig,
+    parse_storage,
+)
 
 __all__ = [
-    "EVICTION_POLICIES", "IO_BACKENDS", "MEM_LAYOUTS", "EngineFacts", "HiCacheConfig",
-    "LoadMode", "Rewrite", "finish_config", "resolve_conflicts",
+    "EVICTION_POLICIES", "IO_BACKENDS", "MEM_LAYOUTS", "HiCacheConfig", "LoadMode", "Rewrite",
+    "resolve_conflicts", "resolve_pair",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,9 +90,6 @@ class LoadMode(StrEnum):
 LOAD_MODES = tuple(LoadMode)
 
 _GB = 1e9
-# admin_api_key values: a key made at start, and no key at all.
-ADMIN_KEY_AUTO = "auto"
-ADMIN_KEY_NONE = "none"
 
 
 # --- parsers (each raises ValueError saying what is accepted; parse_value
@@ -109,6 +124,18 @@ def _parse_size_gb(value: Any) -> float:
     return size_gb
 
 
+def _parse_node_tier_bytes(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("expected an integer number of bytes >= 0 (0 = no node tier)")
+    return value
+
+
+def _parse_node_tier_root(value: Any) -> str:
+    if not isinstance(value, str) or not os.path.isabs(value) or not value.isprintable():
+        raise ValueError("expected an absolute directory path (a tmpfs such as /dev/shm)")
+    return value
+
+
 # Long enough for a digest or a date-stamped name; a key component, not a note.
 _MODEL_VERSION_MAX_CHARS = 256
 
@@ -123,79 +150,6 @@ def _parse_model_version(value: Any) -> str:
         # "v2" and "v2 " would silently be two namespaces.
         raise ValueError("leading or trailing whitespace is not allowed")
     return value
-
-
-def _parse_admin_port(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ValueError("expected an integer in [0, 65535] (0 = off)")
-    return value
-
-
-def _parse_admin_host(value: Any) -> str:
-    if not isinstance(value, str) or not value or not value.isprintable() or " " in value:
-        raise ValueError("expected an address to bind, e.g. 127.0.0.1")
-    return value
-
-
-# A token shorter than this is refused: it would be guessable.
-_ADMIN_KEY_MIN_CHARS = 16
-
-
-def _parse_admin_key(value: Any) -> str:
-    """The key itself, ADMIN_KEY_AUTO, or "" for "none"; ``@path`` reads the
-    key from a file (stripped). Errors name the file, never the key."""
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"expected {ADMIN_KEY_AUTO!r}, {ADMIN_KEY_NONE!r}, the key or "
-                         "@/path/to/file holding it")
-    if value == ADMIN_KEY_AUTO:
-        return value
-    if value == ADMIN_KEY_NONE:
-        return ""
-    if value.startswith("@"):
-        try:
-            key = read_option_file(value[1:]).decode("utf-8").strip()
-        except UnicodeError:
-            raise ValueError("not UTF-8 text") from None
-        where = f"in {value[1:]!r}"
-    else:
-        key, where = value, "given"
-    if len(key) < _ADMIN_KEY_MIN_CHARS or not key.isprintable() or " " in key:
-        raise ValueError(f"the key {where} is refused; expected at least "
-                         f"{_ADMIN_KEY_MIN_CHARS} printable characters without spaces")
-    return key
-
-
-def _absolute_dir(value: Any) -> str:
-    path = os.path.expanduser(value) if isinstance(value, str) else ""
-    if not os.path.isabs(path) or not path.isprintable():
-        raise ValueError(f"entry {value!r} is not an absolute directory path")
-    return os.path.normpath(path)
-
-
-def _parse_key_dir(value: Any) -> str:
-    return "" if value == "" else _absolute_dir(value)
-
-
-def _parse_file_dirs(value: Any) -> tuple[str, ...]:
-    """Real paths (symbolic links resolved), as the files named are checked."""
-    if not isinstance(value, (list, tuple)):
-        raise ValueError("expected a list of absolute directory paths, e.g. "
-                         "[\"/etc/hicache\"]")
-    dirs = tuple(os.path.realpath(_absolute_dir(v)) for v in value)
-    if os.sep in dirs:
-        raise ValueError("'/' would let a client name any file; list the directories "
-                         "holding the secrets to allow")
-    return dirs
-
-
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-
-
-def _parse_dynamic_modules(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, (list, tuple)) or not all(
-            isinstance(v, str) and _MODULE_NAME.match(v) for v in value):
-        raise ValueError("expected a list of module names, e.g. [\"my_pkg.my_backend\"]")
-    return tuple(value)
 
 
 def _parse_access_log(value: Any) -> str:
@@ -227,6 +181,14 @@ class HiCacheConfig:
     # When computed KV is copied L1 -> L2 (SGLang --hicache-write-policy).
     hicache_write_policy: WritePolicyName = option(WritePolicyName.WRITE_THROUGH,
                                                    parse=named(WritePolicyName))
+    # Which blocks cross L1 -> L2 and L2 -> L3 (policy/admission.py):
+    # "always", "hits:N" (after N requests used the block) or "value:V"
+    # (hits x prefix tokens >= V). write_through_selective is L1->L2 "hits:2".
+    hicache_l2_admission: AdmissionRule = option(ALWAYS, parse=parse_admission)
+    hicache_l3_admission: AdmissionRule = option(ALWAYS, parse=parse_admission)
+    # When a block reaches L3: "inclusive" when L2 stores it, "exclusive"
+    # when L2 evicts it (l3/victims.py), so L2 + L3 hold more distinct blocks.
+    hicache_l3_mode: L3Mode = option(L3Mode.INCLUSIVE, parse=named(L3Mode))
     # Host pool memory layout (SGLang --hicache-mem-layout).
     hicache_mem_layout: MemLayout = option(MemLayout.LAYER_FIRST, parse=named(MemLayout))
     # Copy engine for L1 <-> L2: Triton kernels or torch copies
@@ -261,26 +223,31 @@ class HiCacheConfig:
     # Admin HTTP API (docs/admin-api.md: runtime attach/detach of the L3
     # backend), served by each engine next to the scheduler half. Port 0
     # (the default) = off; under data parallelism engine i listens on port + i.
-    admin_api_port: int = option(0, parse=_parse_admin_port)
+    admin_api_port: int = option(0, parse=parse_admin_port)
     # Address it binds; anything but loopback needs a key.
-    admin_api_host: str = option("127.0.0.1", parse=_parse_admin_host)
+    admin_api_host: str = option("127.0.0.1", parse=parse_admin_host)
     # Bearer token every admin call must carry ("Authorization: Bearer <key>"):
     # "auto" = a random one made at each start and written to a file only
     # its owner can read (admin_key_file; admin/key_file.py); the key
     # itself or "@/path/to/file" holding it; "none" = no key (loopback only).
     # Parsed: the key, ADMIN_KEY_AUTO, or "" for none. Never shown.
-    admin_api_key: str = option(ADMIN_KEY_AUTO, parse=_parse_admin_key, repr=False,
+    admin_api_key: str = option(ADMIN_KEY_AUTO, parse=parse_admin_key, repr=False,
                                 shows_files=True)
     # Where admin_api_key="auto" writes admin-api-<port>.key; "" = the
     # default (admin_key_file). Only with admin_api_key="auto".
-    admin_api_key_dir: str = option("", parse=_parse_key_dir)
+    admin_api_key_dir: str = option("", parse=parse_key_dir)
     # Directories whose files an admin API attach may name ("@/path" values,
     # tls_*_file options): the resolved real path must lie inside one.
     # Empty = a client can name no file at all.
-    admin_api_file_dirs: tuple[str, ...] = option((), parse=_parse_file_dirs)
+    admin_api_file_dirs: tuple[str, ...] = option((), parse=parse_file_dirs)
     # Modules an admin API attach of backend "dynamic" may import
     # (module_path, exactly). Empty = "dynamic" is refused over the API.
-    admin_api_dynamic_modules: tuple[str, ...] = option((), parse=_parse_dynamic_modules)
+    admin_api_dynamic_modules: tuple[str, ...] = option((), parse=parse_dynamic_modules)
+    # When an admin attach, replace or detach may run: "live" between two
+    # steps while requests run, "idle" only when no request runs or waits
+    # (SGLang's rule; a different backend then needs a detach first).
+    admin_storage_switch: StorageSwitch = option(StorageSwitch.LIVE,
+                                                 parse=named(StorageSwitch))
     # Access log for the capacity planner (docs/capacity-planning.md): the
     # file the scheduler half writes, per request, its arrival time, block
     # hash chain (8-byte prefixes), prompt tokens and hit tokens by tier (no
@@ -302,10 +269,37 @@ class HiCacheConfig:
     # prefill instance, finds them. Needs an L3 backend, kv_role
     # "kv_consumer" and hicache_write_policy "write_through".
     hicache_decode_offload: bool = option(False, parse=flag)
+    # The L3 circuit breaker (l3/breaker.py, docs/l3-backends.md): a store
+    # that fails its health checks (errors, or slower than the latency
+    # budget) for l3_breaker_window_s is not used (served from L1/L2) until
+    # a probe, every l3_breaker_probe_interval_s, finds it healthy again.
+    # Applies to the backend configured at start and to one attached later.
+    # false = off: the store is always used, whatever it answers.
+    l3_breaker: bool = option(True, parse=flag)
+    l3_breaker_window_s: float = option(10.0, parse=number(0.0, 86400.0))
+    l3_breaker_latency_budget_ms: float = option(1000.0, parse=number(0.0, 3.6e6,
+                                                                      low_open=True))
+    l3_breaker_probe_interval_s: float = option(1.0, parse=number(0.0, 3600.0, low_open=True))
+    # The node tier (docs/node-tier.md): host memory shared by every instance
+    # on the machine, in front of any L3 backend. Its size in bytes for the
+    # whole machine (every instance sharing it configures the same size);
+    # 0 = off.
+    node_tier_bytes: int = option(0, parse=_parse_node_tier_bytes)
+    # Instances with the same name (and the same model, dtype, layout,
+    # parallel shape and storage secret) share one tier.
+    node_tier_name: str = option("default", parse=check_node_tier_name)
+    # The tmpfs directory the tier lives in.
+    node_tier_root: str = option(NODE_TIER_ROOT, parse=_parse_node_tier_root)
     # The keys the user set (not a key): finish_config tells a value chosen
     # from a default it may change.
     keys_given: frozenset[str] = dataclasses.field(default=frozenset(), repr=False,
                                                    compare=False)
+
+    def l2_admission(self, policy: str | None = None) -> AdmissionRule:
+        """The L1 -> L2 rule in force under ``policy`` (default: the
+        configured write policy); raises ValueError for a contradiction."""
+        asked = self.hicache_l2_admission if "hicache_l2_admission" in self.keys_given else None
+        return l2_admission_rule(policy or self.hicache_write_policy, asked)
 
     @property
     def host_bytes_override(self) -> int:
@@ -318,13 +312,18 @@ class HiCacheConfig:
         (``finish_config`` does, for the engine)."""
         extra = dict(extra or {})
         raw_storage = {k: extra.pop(k) for k in STORAGE_KEYS if k in extra}
-        storage = parse_storage(raw_storage)
         fields = _OPTION_FIELDS
         reject_unknown("kv_connector_extra_config", extra, set(fields) | set(STORAGE_KEYS))
         values = {name: parse_value("", fields[name], value) for name, value in extra.items()}
+        _check_node_tier(values)
+        # A node tier alone runs on the L3 machinery (storage/node_chain.py).
+        storage = parse_storage(raw_storage,
+                                NODE_ONLY_BACKEND if values.get("node_tier_bytes") else None)
         cfg = cls(**values, storage=storage, keys_given=frozenset(extra) | frozenset(raw_storage))
         _check_admin_bind(cfg)
         _check_decode_offload(cfg)
+        _check_admission(cfg)
+        _check_breaker(cfg)
         return cfg
 
     @classmethod
@@ -335,29 +334,25 @@ class HiCacheConfig:
         return resolve_conflicts(cls.parse(extra))
 
 
+def _check_breaker(cfg: HiCacheConfig) -> None:
+    """The breaker's settings mean nothing with the breaker off."""
+    tuned = sorted(k for k in cfg.keys_given if k.startswith("l3_breaker_"))
+    if not cfg.l3_breaker and tuned:
+        raise ValueError(f"{', '.join(tuned)}: set, but l3_breaker is false (the L3 circuit "
+                         "breaker is off); drop them or turn it on")
+
+
+def _check_node_tier(values: Mapping[str, Any]) -> None:
+    if values.get("node_tier_bytes"):
+        return
+    stray = sorted(k for k in ("node_tier_name", "node_tier_root") if k in values)
+    if stray:
+        raise ValueError(f"{', '.join(stray)} given without node_tier_bytes (the node tier's "
+                         "size for the machine, > 0); set it or remove them")
+
+
 # The user's keys: HiCacheConfig's fields declared with option().
 _OPTION_FIELDS = {f.name: f for f in dataclasses.fields(HiCacheConfig) if "parse" in f.metadata}
-
-
-def admin_key_file(key_dir: str, port: int) -> Path:
-    """Where admin_api_key="auto" writes the key of the admin API on
-    ``port``: ``key_dir``, else $XDG_RUNTIME_DIR/vllm_hicache (a per-user
-    tmpfs), else ~/.cache/vllm_hicache."""
-    if not key_dir:
-        runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-        key_dir = (os.path.join(runtime, "vllm_hicache") if os.path.isabs(runtime)
-                   else os.path.expanduser("~/.cache/vllm_hicache"))
-    return Path(key_dir) / f"admin-api-{port}.key"
-
-
-def is_loopback(host: str) -> bool:
-    """Does ``host`` (an admin_api_host) name a loopback address?"""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # --- checks across keys (parse) -------------------------------------------------
@@ -380,6 +375,8 @@ def _check_admin_bind(cfg: HiCacheConfig) -> None:
             "makes, but admin_api_key is given; remove one of them")
     unused = sorted(k for k in ("admin_api_key_dir", "admin_api_file_dirs",
                                 "admin_api_dynamic_modules") if getattr(cfg, k))
+    if cfg.admin_storage_switch != StorageSwitch.LIVE:
+        unused.append("admin_storage_switch")
     if unused and not cfg.admin_api_port:
         raise ValueError(f"{', '.join(unused)} set but the admin API is off "
                          "(admin_api_port=0); set admin_api_port or remove them")
@@ -416,12 +413,33 @@ def _check_decode_offload(cfg: HiCacheConfig) -> None:
             "to log, so these keys would do nothing; remove them")
 
 
-# --- finishing: the configuration an engine runs with ---------------------------
+_L3_TIERING_KEYS = ("hicache_l3_admission", "hicache_l3_mode")
+
+
+def _check_admission(cfg: HiCacheConfig) -> None:
+    """The boundaries' rules agree with the write policy, and L3's rules
+    have an L3 to act on (one configured, or attachable over the admin API)."""
+    cfg.l2_admission()
+    given = sorted(cfg.keys_given & set(_L3_TIERING_KEYS))
+    if given and cfg.storage is None and cfg.admin_api_port == 0:
+        raise ValueError(
+            f"{', '.join(given)} set without an L3 backend: set hicache_storage_backend "
+            "(or admin_api_port, to attach one at run time), or remove them")
+    if cfg.hicache_decode_offload and (cfg.hicache_l3_mode != L3Mode.INCLUSIVE
+                                       or cfg.hicache_l3_admission != ALWAYS):
+        raise ValueError(
+            "hicache_decode_offload=true writes every full block to L3 for the next turn: "
+            "it needs hicache_l3_mode=inclusive and hicache_l3_admission=always (got "
+            f"{cfg.hicache_l3_mode.value}, {cfg.hicache_l3_admission})")
+
+
+# --- the copy backend and host layout (config_finish.py finishes the rest) -------
 
 
 @dataclass(frozen=True)
 class Rewrite:
-    """One value ``finish_config`` (or ``resolve_conflicts``) changed, and why."""
+    """One value ``config_finish.finish_config`` (or ``resolve_conflicts``)
+    changed, and why."""
 
     key: str
     old: str
@@ -432,51 +450,18 @@ class Rewrite:
         return f"{self.key}={self.old} -> {self.new}: {self.reason}"
 
 
-@dataclass(frozen=True)
-class EngineFacts:
-    """What the engine and the platform say, as plain values (the connector
-    extracts them from vLLM, so this module needs none of it)."""
-
-    # What this platform lacks for hicache_io_backend=kernel ("" = nothing;
-    # kernels.kernel_io_missing finds out).
-    kernel_io_missing: str = ""
-    # HiCache's kv_role in vLLM's kv_transfer_config (None = not given).
-    kv_role: str | None = None
-    # Kinds of vLLM's KV cache groups, in its order, for a hybrid model
-    # (geometry.KVGroup.kind); () for one group.
-    kv_group_kinds: tuple[str, ...] = ()
-    # Does a group hold Mamba / linear-attention state (raw state pages)?
-    state_groups: bool = False
-
-
-def finish_config(cfg: HiCacheConfig,
-                  facts: EngineFacts) -> tuple[HiCacheConfig, list[Rewrite]]:
-    """The configuration the engine runs with, and the rewrites made to get it.
-
-    Raises ValueError, naming the keys, for a contradiction with the PD role
-    (``check_kv_role``) or with a hybrid model's KV cache groups. Every
-    process of one engine gets the same facts (the same model, platform and
-    kv_role), so both halves, and the L3 keys they derive, agree; the
-    scheduler half logs the rewrites, the workers do not repeat them.
-    """
-    check_kv_role(cfg, facts.kv_role)
-    cfg, rewrites = _resolve_pair(cfg, facts.kernel_io_missing)
-    cfg, group_rewrites = _fit_to_groups(cfg, facts.kv_group_kinds, facts.state_groups)
-    return cfg, rewrites + group_rewrites
-
-
 def resolve_conflicts(cfg: HiCacheConfig, kernel_io_missing: str = "") -> HiCacheConfig:
     """The copy backend and host layout ``finish_config`` would choose,
     logging one warning per rewrite: for a fact one process learns alone
     (a worker whose host pool could not be pinned) and for tools."""
-    cfg, rewrites = _resolve_pair(cfg, kernel_io_missing)
+    cfg, rewrites = resolve_pair(cfg, kernel_io_missing)
     for rewrite in rewrites:
         logger.warning("HiCache: %s", rewrite)
     return cfg
 
 
-def _resolve_pair(cfg: HiCacheConfig,
-                  kernel_io_missing: str) -> tuple[HiCacheConfig, list[Rewrite]]:
+def resolve_pair(cfg: HiCacheConfig,
+                 kernel_io_missing: str) -> tuple[HiCacheConfig, list[Rewrite]]:
     """The one place that decides the copy backend and the host layout.
 
     ``kernel_io_missing`` names what this platform lacks for the kernel
@@ -502,72 +487,4 @@ def _resolve_pair(cfg: HiCacheConfig,
     resolved = dataclasses.replace(cfg, hicache_io_backend=io_backend, hicache_mem_layout=layout)
     return resolved, rewrites
 
-
-def _fit_to_groups(cfg: HiCacheConfig, kinds: tuple[str, ...],
-                   state_groups: bool) -> tuple[HiCacheConfig, list[Rewrite]]:
-    """The configuration a hybrid model (several KV cache groups) runs with;
-    ValueError naming the key of an option that cannot serve them.
-
-    - ``hicache_load_mode``: vLLM takes load failures of a multi-group model
-      only per request, and only for async loads (its ``invalid_block_ids``
-      path raises there), so loads are async. Left unset, it becomes async;
-      set to layerwise, the engine is refused.
-    - ``hicache_write_policy=write_back`` copies a block when vLLM reuses it,
-      which the pool reports per block of one group: refused.
-    - ``tp_lcm_size`` with a Mamba group: head slices of a raw state page
-      mean nothing: refused.
-    """
-    if len(kinds) <= 1:
-        return cfg, []
-    described = f"{len(kinds)} KV cache groups: {'+'.join(kinds)}"
-    if state_groups and cfg.storage is not None and cfg.storage.tp_lcm_size:
-        # Head slices cut pages by attention heads; a state page is raw bytes.
-        raise ValueError(
-            f"tp_lcm_size (in hicache_storage_backend_extra_config) is not supported for "
-            f"models with Mamba / linear-attention state ({'+'.join(kinds)}): their state "
-            "pages cannot be cut into head slices; leave it unset")
-    if cfg.hicache_write_policy == WritePolicyName.WRITE_BACK:
-        raise ValueError(
-            f"hicache_write_policy=write_back is not supported for hybrid models "
-            f"({described}); use write_through or write_through_selective")
-    if cfg.hicache_load_mode == LoadMode.ASYNC:
-        return cfg, []
-    if "hicache_load_mode" in cfg.keys_given:
-        raise ValueError(
-            f"hicache_load_mode={cfg.hicache_load_mode} is not supported for hybrid "
-            f"models ({described}): vLLM can only be told of a failed load per request, "
-            "for async loads; set hicache_load_mode=async")
-    rewrite = Rewrite("hicache_load_mode", cfg.hicache_load_mode, LoadMode.ASYNC,
-                      f"a hybrid model ({described}) reports failed loads per request, "
-                      "which vLLM takes for async loads only")
-    return dataclasses.replace(cfg, hicache_load_mode=LoadMode.ASYNC), [rewrite]
-
-
-# vLLM's kv_role values (vllm.config.kv_transfer.KVRole).
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-
-
-def check_kv_role(cfg: HiCacheConfig, kv_role: str | None) -> None:
-    """Refuse a HiCache ``kv_role`` that contradicts hicache_decode_offload.
-
-    In a MultiConnector, HiCache's entry carries the instance's PD role, like
-    the NixlConnector entry next to it: "kv_producer" on prefill instances
-    (HiCache loads hits and stores, as on a single instance), "kv_consumer"
-    on decode instances (HiCache only offloads), "kv_both" without PD.
-    """
-    role = kv_role or "kv_both"
-    if role not in KV_ROLES:
-        raise ValueError(f"invalid kv_role={kv_role!r} for HiCacheConnector; accepted: "
-                         f"{', '.join(KV_ROLES)}")
-    if cfg.hicache_decode_offload and role != "kv_consumer":
-        raise ValueError(
-            f"hicache_decode_offload=true is the decode instance's role, but HiCache's "
-            f"kv_role={role!r}: set kv_role='kv_consumer' (as NixlConnector's on decode) or "
-            "drop hicache_decode_offload (prefill instances load and store as usual)")
-    if role == "kv_consumer" and not cfg.hicache_decode_offload:
-        raise ValueError(
-            "HiCache's kv_role='kv_consumer' (a decode instance) needs "
-            "hicache_decode_offload=true: on decode NixlConnector delivers the prompt's KV "
-            "and HiCache may only offload; use kv_role='kv_producer' on prefill instances "
-            "or 'kv_both' without PD")
 

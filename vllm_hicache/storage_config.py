@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hicache.option_file import read_option_file
-from vllm_hicache.policy.prefetch import PREFETCH_POLICIES, PrefetchPolicyName
+from vllm_hicache.policy.prefetch import (
+    PREFETCH_POLICIES,
+    PREFETCH_THRESHOLD_AUTO,
+    PrefetchPolicyName,
+    parse_prefetch_threshold,
+)
+from vllm_hicache.policy.same_step import MAX_SAME_STEP_WAIT_MS, check_same_step_policy
+from vllm_hicache.policy.write_budget import WriteBudgetConfig
 from vllm_hicache.redaction import redacted
 from vllm_hicache.storage.factory import backend_names
 from vllm_hicache.storage.options import (
@@ -31,6 +38,7 @@ from vllm_hicache.storage.options import (
     number,
     option,
     parse_value,
+    size,
 )
 from vllm_hicache.storage_secret import LABEL_OBJECT_NAMES, StorageSecret
 from vllm_hicache.storage_secret import OPTION as SECRET_OPTION
@@ -44,6 +52,11 @@ STORAGE_KEYS = (
     "hicache_storage_backend_extra_config",
 )
 
+# The backend a node tier runs on when no hicache_storage_backend is set:
+# the node tier alone, with no remote store behind it (storage/node_chain.py).
+NODE_ONLY_BACKEND = "node-tier-only"
+
+
 @dataclass(frozen=True)
 class StorageConfig:
     """The L3 tier: ``hicache_storage_*`` keys (None in HiCacheConfig = no L3)."""
@@ -53,18 +66,34 @@ class StorageConfig:
     # When a request may wait for its L3 -> L2 prefetch
     # (SGLang --hicache-storage-prefetch-policy).
     prefetch_policy: PrefetchPolicyName = PrefetchPolicyName.BEST_EFFORT
-    # Shorter L3 hits (in tokens) are not prefetched.
-    prefetch_threshold: int = option(256, parse=integer(1))
+    # Which L3 hits are prefetched (policy/prefetch.py): "auto" = those the
+    # load decision's cost model expects to load faster than vLLM computes
+    # them, of any length; an integer = those of at least that many tokens.
+    prefetch_threshold: int | str = option(PREFETCH_THRESHOLD_AUTO,
+                                           parse=parse_prefetch_threshold)
     # timeout policy: wait base + per_ki_token x tokens/1024 seconds, capped.
     prefetch_timeout_base: float = option(2.0, parse=number(0.0))
     prefetch_timeout_per_ki_token: float = option(0.1, parse=number(0.0))
     prefetch_timeout_max: float = option(30.0, parse=number(0.0))
+    # Same-step admission (l3/same_step.py): > 0 admits an L3 hit in the
+    # step its read is sent, each worker's L1 copy waiting at most this long
+    # for the read (a page not read by then is a load error, recomputed).
+    # 0 = off: the hit is admitted the step after its read is reported.
+    same_step_read_wait_ms: float = option(0.0, parse=number(0.0, MAX_SAME_STEP_WAIT_MS))
     # Heterogeneous TP (SGLang's tp_lcm_size): objects hold 1/tp_lcm_size of
     # the model's KV heads each, keyed by slice rather than by TP rank, so
     # instances whose TP sizes divide it share objects. 0 = off (one object
     # per TP rank). Checked against the model and TP size at start
     # (keys.check_head_slicing).
     tp_lcm_size: int = option(0, parse=integer(0))
+    # Write budgets on L2 -> L3 backups (policy/write_budget.py), in bytes
+    # of L3 objects (all ranks' together): backups over budget are skipped,
+    # least valuable first, never waited for. 0 = no cap.
+    l3_write_budget_bytes_per_s: int = option(0, parse=size(0))
+    # The bucket's depth: bytes writable at once after an idle spell; 0 =
+    # one second of l3_write_budget_bytes_per_s.
+    l3_write_burst_bytes: int = option(0, parse=size(0))
+    l3_write_budget_bytes_per_day: int = option(0, parse=size(0))
     # Everything else in hicache_storage_backend_extra_config: the backend's
     # own options, validated by the backend when it is built.
     backend_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -79,6 +108,11 @@ class StorageConfig:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
         values["backend_options"] = redacted(dict(self.backend_options))
         return f"StorageConfig({', '.join(f'{k}={v!r}' for k, v in values.items())})"
+
+    @property
+    def write_budget(self) -> WriteBudgetConfig:
+        return WriteBudgetConfig(self.l3_write_budget_bytes_per_s, self.l3_write_burst_bytes,
+                                 self.l3_write_budget_bytes_per_day)
 
     @property
     def protection(self) -> str:
@@ -103,23 +137,32 @@ class StorageConfig:
         return f"{self.protection}:{self.secret.namespace_tag}"
 
 
-def parse_storage(keys: Mapping[str, Any]) -> StorageConfig | None:
-    """Build the StorageConfig from the ``hicache_storage_*`` keys given."""
-    if not keys:
+def parse_storage(keys: Mapping[str, Any],
+                  default_backend: str | None = None) -> StorageConfig | None:
+    """Build the StorageConfig from the ``hicache_storage_*`` keys given;
+    ``default_backend`` (NODE_ONLY_BACKEND with a node tier) stands in for
+    an absent hicache_storage_backend."""
+    if not keys and default_backend is None:
         return None
-    backend = keys.get("hicache_storage_backend")
+    backend = keys.get("hicache_storage_backend", default_backend)
     if backend is None:
         raise ValueError(
             f"{sorted(keys)} given without hicache_storage_backend; set it to one of "
             f"{', '.join(backend_names())} or remove them"
         )
-    _check_choice("hicache_storage_backend", backend, backend_names())
+    if "hicache_storage_backend" in keys:
+        _check_choice("hicache_storage_backend", backend, backend_names())
     policy = keys.get("hicache_storage_prefetch_policy", PrefetchPolicyName.BEST_EFFORT)
     _check_choice("hicache_storage_prefetch_policy", policy, PREFETCH_POLICIES)
     policy = PrefetchPolicyName(policy)
     options = _load_extra(keys.get("hicache_storage_backend_extra_config"))
     knobs = {name: parse_value(_EXTRA, _KNOBS[name], options.pop(name))
              for name in _KNOBS if name in options}
+    if knobs.get("l3_write_burst_bytes") and not knobs.get("l3_write_budget_bytes_per_s"):
+        raise ValueError(
+            f"l3_write_burst_bytes set in {_EXTRA} without l3_write_budget_bytes_per_s: a "
+            "burst is the depth of a bandwidth budget; set the budget too or remove it")
+    check_same_step_policy(knobs.get("same_step_read_wait_ms", 0.0), policy)
     secret, encrypt = _pop_security(options)
     return StorageConfig(
         backend=backend, prefetch_policy=policy,

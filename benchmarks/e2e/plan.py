@@ -15,7 +15,9 @@ Systems (same model, seeds, block size, batch limits and compute core):
 
 The working set of every workload is several times L1. L3 systems use the
 ``timeout`` prefetch policy (SGLang's default: a request waits for its L3
-pages, bounded) with a one-block prefetch threshold.
+pages, bounded) with a one-block prefetch threshold, and admit an L3 hit in
+the step its read is sent (``same_step_read_wait_ms``: the L1 copy waits up
+to 50 ms for the read; docs/design.md).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class Plan:
         base = {"hicache_io_backend": "direct", "hicache_write_policy": "write_through"}
         l3 = {"hicache_storage_backend": "file",
               "hicache_storage_prefetch_policy": "timeout",
-              "hicache_storage_backend_extra_config": {"prefetch_threshold": self.block_size}}
+              "hicache_storage_backend_extra_config": {"prefetch_threshold": self.block_size,
+                                                       "same_step_read_wait_ms": 50}}
         return {
             "vllm": ServerSpec("vllm", self.l1_blocks),
             "ideal": ServerSpec("ideal", ideal),

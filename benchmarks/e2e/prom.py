@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from vllm_hicache.l3.hit_stages import STAGES
+
 # name -> label that splits it (None: summed over all labels).
 COUNTERS: dict[str, str | None] = {
     "vllm:prompt_tokens_total": None,
@@ -27,6 +29,9 @@ COUNTERS: dict[str, str | None] = {
     "vllm:request_queue_time_seconds_sum": None,
     "vllm:request_prefill_time_seconds_sum": None,
     "vllm:request_queue_time_seconds_count": None,
+    # Where the wait of each L3 hit went (the connector's histogram), per stage.
+    "vllm:hicache_l3_hit_stage_seconds_sum": "stage",
+    "vllm:hicache_l3_hit_stage_seconds_count": "stage",
 }
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -75,3 +80,17 @@ def time_split_ms(moved: dict[str, float]) -> dict[str, float]:
     return {k: 1000 * moved.get(f"vllm:{m}_seconds_sum", 0.0) / n
             for k, m in (("ttft", "time_to_first_token"), ("queue", "request_queue_time"),
                          ("prefill", "request_prefill_time"))}
+
+
+def l3_stage_ms(moved: dict[str, float]) -> dict[str, float]:
+    """Per L3 hit, ms: the mean of each stage of its wait (the order of
+    ``vllm_hicache.l3.hit_stages.STAGES``), and ``hits``: how many."""
+    name = "vllm:hicache_l3_hit_stage_seconds"
+    hits = moved.get(f"{name}_count{{stage=lookup}}", 0.0)
+    if not hits:
+        return {}
+    out = {"hits": hits}
+    for stage in STAGES:
+        count = moved.get(f"{name}_count{{stage={stage}}}", 0.0)
+        out[stage] = 1000 * moved.get(f"{name}_sum{{stage={stage}}}", 0.0) / count if count else 0.0
+    return out

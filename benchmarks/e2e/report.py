@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 from e2e import prom
+from vllm_hicache.l3.hit_stages import STAGES, WAIT_STAGES
 
 SYSTEM_ORDER = ("vllm", "ideal", "hicache-l2", "hicache-l2l3", "hicache-l3")
 TTFT_TARGET = 1.10      # mean TTFT, rounds >= 2, HiCache / ideal
@@ -192,7 +193,27 @@ def session_tables(results: dict, workload: str) -> list[str]:
                   "| system | TTFT | queue | prefill |", "| --- | ---: | ---: | ---: |"]
         lines += [f"| {s} | {v['ttft']:.0f} | {v['queue']:.0f} | {v['prefill']:.0f} |"
                   for s, v in splits.items() if v]
+    lines += l3_stage_table(results, workload, systems)
     return lines + [""]
+
+
+def l3_stage_table(results: dict, workload: str, systems: list[str]) -> list[str]:
+    """Where an L3 hit's wait went, per system (the connector's
+    ``l3_hit_stage_seconds`` histogram, over all rounds): mean ms per hit."""
+    stages = {s: prom.l3_stage_ms(_phase(results, s, workload).get("metrics", {}))
+              for s in systems}
+    if not any(stages.values()):
+        return []
+    lines = ["", "Where an L3 hit's wait went (`vllm:hicache_l3_hit_stage_seconds`, mean ms "
+             "per hit; all but load sum to the wait from lookup to admission):", "",
+             "| system | hits | " + " | ".join(STAGES) + " | wait |",
+             "| --- |" + " ---: |" * (len(STAGES) + 2)]
+    for s, v in stages.items():
+        if v:
+            wait = sum(v[k] for k in WAIT_STAGES)
+            lines.append(f"| {s} | {v['hits']:.0f} | "
+                         + " | ".join(f"{v[k]:.1f}" for k in STAGES) + f" | {wait:.1f} |")
+    return lines
 
 
 def bench_table(results: dict, workload: str) -> list[str]:

@@ -29,7 +29,8 @@ from vllm_hicache.admin.api import (
     parse_attach,
 )
 from vllm_hicache.admin.guard import AdminPolicy
-from vllm_hicache.config import HiCacheConfig, admin_key_file
+from vllm_hicache.config import HiCacheConfig
+from vllm_hicache.config_admin import admin_key_file
 
 KEY = "k" * 32
 PATH = "/hicache/storage-backend"
@@ -165,6 +166,30 @@ def test_legacy_form():
     assert resp.status_code == 400 and resp.json()["field"] == "storage_backend"
 
 
+def test_pending_backups_field():
+    """PUT takes finish | drop | move (default finish); DELETE takes an
+    optional body with finish | drop (nothing to move to)."""
+    http, control = client()
+    resp = http.put(PATH, headers=auth(), json={"backend": "file", "pending_backups": "move"})
+    assert resp.status_code == 200
+    assert control.calls[-1][1].pending_backups == "move"
+    http.put(PATH, headers=auth(), json={"backend": "file"})
+    assert control.calls[-1][1].pending_backups == "finish"
+    resp = http.put(PATH, headers=auth(), json={"backend": "file", "pending_backups": "later"})
+    assert resp.status_code == 400 and resp.json()["field"] == "pending_backups"
+    assert http.delete(PATH, headers=auth()).json() == {"kind": "detach"}
+    assert control.calls[-1][1].pending_backups == "finish"
+    resp = http.request("DELETE", PATH, headers=auth_json(),
+                        content=json.dumps({"pending_backups": "drop"}))
+    assert resp.status_code == 200 and control.calls[-1][1].pending_backups == "drop"
+    calls = len(control.calls)
+    for body, field in (({"pending_backups": "move"}, "pending_backups"),
+                        ({"backend": "file"}, "backend"), ([1], "body")):
+        resp = http.request("DELETE", PATH, headers=auth_json(), content=json.dumps(body))
+        assert resp.status_code == 400 and resp.json()["field"] == field, resp.json()
+    assert len(control.calls) == calls  # none reached the engine
+
+
 def test_a_call_the_engine_never_takes_is_withdrawn():
     http, control = client(FakeControl(answer=False), engine_wait_s=0.2)
     resp = http.delete(PATH, headers=auth())
@@ -207,6 +232,9 @@ def test_config_keys(tmp_path):
     cfg = HiCacheConfig.from_extra_config({})
     assert (cfg.admin_api_port, cfg.admin_api_host, cfg.admin_api_key) == (0, "127.0.0.1", "auto")
     assert (cfg.admin_api_file_dirs, cfg.admin_api_dynamic_modules) == ((), ())
+    assert cfg.admin_storage_switch == "live"
+    assert HiCacheConfig.from_extra_config(
+        {"admin_api_port": 8100, "admin_storage_switch": "idle"}).admin_storage_switch == "idle"
     assert HiCacheConfig.from_extra_config({"admin_api_key": "none"}).admin_api_key == ""
     key_file = tmp_path / "admin.key"
     key_file.write_text(KEY + "\n")
@@ -242,7 +270,9 @@ def test_config_keys(tmp_path):
             ({"admin_api_port": 1, "admin_api_file_dirs": ["/", "/etc"]}, "any file"),
             ({"admin_api_port": 1, "admin_api_dynamic_modules": ["a b"]}, "module names"),
             ({"admin_api_port": 1, "admin_api_dynamic_modules": "pkg"}, "module names"),
-            ({"admin_api_file_dirs": ["/etc/hicache"]}, "admin API is off")):
+            ({"admin_api_file_dirs": ["/etc/hicache"]}, "admin API is off"),
+            ({"admin_api_port": 1, "admin_storage_switch": "never"}, "admin_storage_switch"),
+            ({"admin_storage_switch": "idle"}, "admin_storage_switch set but the admin API")):
         with pytest.raises(ValueError, match=match):
             HiCacheConfig.from_extra_config(bad)
 

@@ -109,7 +109,8 @@ class Harness:
         # the worker reported its blocks as failed (the forward never writes
         # loaded blocks: they count as computed).
         done = [self.pending_async.pop(r) for r in recving or () if r in self.pending_async]
-        self._verify_loads([j for j in [*meta.loads, *done] if not set(j.copy.block_ids) & errors])
+        loads = [*meta.loads, *meta.same_step_loads, *done]  # same-step: l3/same_step.py
+        self._verify_loads([j for j in loads if not set(j.copy.block_ids) & errors])
         worker_meta = w.build_connector_worker_meta()
         if self.worker_meta_filter is not None:
             worker_meta = self.worker_meta_filter(worker_meta)
@@ -197,7 +198,7 @@ def expected_value(req: Request, pos: int, layer: int, plane: int) -> float:
 
 def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
                  max_batched: int = 256, load_failure_policy: str = "recompute",
-                 kv_role: str = "kv_both",
+                 kv_role: str = "kv_both", shutdown_timeout: int = 0,
                  **extra) -> Harness:
     init_none_hash(sha256)
     extra.setdefault("hicache_io_backend", "direct")
@@ -213,6 +214,7 @@ def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
             kv_connector="HiCacheConnector", kv_connector_module_path="vllm_hicache",
             kv_role=kv_role, kv_connector_extra_config=extra,
             kv_load_failure_policy=load_failure_policy),
+        shutdown_timeout=shutdown_timeout,
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE,

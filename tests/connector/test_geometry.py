@@ -9,7 +9,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from tests.conftest import make_config
-from vllm_hicache.config import HiCacheConfig, finish_config
+from vllm_hicache.config import HiCacheConfig
+from vllm_hicache.config_finish import finish_config
 from vllm_hicache.connector.connector import engine_facts
 from vllm_hicache.connector.geometry import geometry_from, host_num_pages
 

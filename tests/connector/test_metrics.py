@@ -22,7 +22,8 @@ from tests.connector.harness import BLOCK, make_harness
 from tests.l3.test_planner import forget_l1_and_l2, l3_harness
 from tests.scheduler.test_scheduler import prompt
 from vllm_hicache.common.stats import METRICS, key
-from vllm_hicache.connector.metrics import HiCacheKVConnectorStats
+from vllm_hicache.connector.metrics import MAX_OBSERVATIONS, HiCacheKVConnectorStats
+from vllm_hicache.l3.hit_stages import STAGES
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -77,10 +78,23 @@ def test_aggregate_sums_counters_keeps_latest_gauges_and_reduces():
     assert HiCacheKVConnectorStats.of({}, {}) is None
 
 
+def test_observations_join_bounded_and_reduce_to_a_mean():
+    sample = key("l3_hit_stage_seconds", "io")
+    a = HiCacheKVConnectorStats.of({}, {}, {sample: [0.001, 0.003]})
+    b = HiCacheKVConnectorStats.of({}, {}, {sample: [0.002] * MAX_OBSERVATIONS})
+    assert a is not None and b is not None
+    agg = a.aggregate(b)
+    assert len(agg.observations[sample]) == MAX_OBSERVATIONS
+    assert agg.observations[sample][:3] == [0.001, 0.003, 0.002]
+    assert agg.reduce() == {"l3_hit_stage_seconds_io_mean_ms": 2.0}
+    agg.reset()
+    assert agg.is_empty()
+
+
 def test_every_series_has_a_unique_name_and_help():
     names = [m.name for m in METRICS]
     assert len(names) == len(set(names))
-    assert all(m.doc and m.kind in ("counter", "gauge") for m in METRICS)
+    assert all(m.doc and m.kind in ("counter", "gauge", "histogram") for m in METRICS)
 
 
 # --- the scheduler's and the workers' numbers, one real step at a time ----------
@@ -190,6 +204,20 @@ def test_l3_series_and_hit_sources(tiny_model_dir):
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     assert sources == [("b", {CacheHitSource.DISK: 5 * BLOCK})]
+    # Where b's wait went: one observation per stage, and Prometheus has them.
+    observed: dict[str, list[float]] = {}
+    for p in payloads:
+        for sample, values in p.get("observations", {}).items():
+            observed.setdefault(sample, []).extend(values)
+    assert set(observed) == {key("l3_hit_stage_seconds", s) for s in STAGES}
+    assert all(len(v) == 1 and v[0] >= 0 for v in observed.values())
+    registry = CollectorRegistry()
+    metrics = prom(registry)
+    for p in payloads:
+        metrics.observe(p)
+    for stage in STAGES:
+        assert registry.get_sample_value("vllm:hicache_l3_hit_stage_seconds_count", {
+            "model_name": "tiny", "engine": "0", "stage": stage}) == 1
 
 
 def test_copy_clock_times_cuda_copies_when_the_gpu_is_done(monkeypatch):
@@ -237,3 +265,38 @@ def test_copy_clock_times_cuda_copies_when_the_gpu_is_done(monkeypatch):
     # CPU: wall time around a synchronous copy.
     clock.stop(clock.start(), "load", 8)
     assert counters.take()[key("transfer_bytes", "load")] == 3 + 8
+
+
+def test_l3_admission_series_and_l1_hits_count_as_uses(tiny_model_dir):
+    """hicache_l3_admission=hits:2 on vLLM's real scheduler: a's blocks are
+    declined at L3 when stored (admission_declined_blocks); b's hit on them
+    is served by vLLM's own prefix cache (L1), which HiCache still counts as
+    a use, so they are admitted then and backed up (l3_admitted_late_blocks)."""
+    store = "tiering-" + str(id(tiny_model_dir))
+    h = make_harness(
+        tiny_model_dir, hicache_l3_admission="hits:2",
+        hicache_storage_backend="dynamic", hicache_storage_prefetch_policy="wait_complete",
+        hicache_storage_backend_extra_config={
+            "module_path": "tests.connector.mem_backend", "class_name": "MemBackend",
+            "store": store, "prefetch_threshold": BLOCK})
+    tokens = prompt(43, 3 * BLOCK + 2)
+    h.add("a", tokens)
+    h.run()
+    h.step()
+    h.add("b", tokens)  # in L1 still: vLLM's prefix cache serves the 3 blocks
+    h.run()
+    h.step()
+    h.step()  # the backup's acks
+    assert h.first_computed["b"] == 3 * BLOCK  # vLLM's hit, not HiCache's
+    registry = CollectorRegistry()
+    metrics = prom(registry)
+    for p in kv_stats_sent(h):
+        metrics.observe(p)
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+
+    assert value("vllm:hicache_admission_declined_blocks_total", tier="L3", rule="hits") >= 3
+    assert value("vllm:hicache_l3_admitted_late_blocks_total") == 3
+    assert value("vllm:hicache_transfer_bytes_total", op="backup") == \
+        3 * h.worker.worker.pool.bytes_per_page

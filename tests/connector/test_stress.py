@@ -50,6 +50,14 @@ def case(seed: int) -> dict:
     )
 
 
+def same_step(opts: dict) -> dict:
+    """Same-step admission (l3/same_step.py) wherever it is accepted:
+    synchronous loads under a policy that waits."""
+    if opts["hicache_load_mode"] == "layerwise" and opts["prefetch_policy"] != "best_effort":
+        return {"same_step_read_wait_ms": 50.0}
+    return {}
+
+
 class AckMixer:
     """Stands between the worker and the scheduler: holds acknowledgements
     back for random numbers of steps, lets them out in random order across
@@ -118,6 +126,7 @@ def build(tiny_model_dir, seed: int):
                 "module_path": "tests.connector.mem_backend", "class_name": "FlakyMemBackend",
                 "store": uuid.uuid4().hex, "fail_rate": 0.1, "delay_s": 0.0005, "seed": seed,
                 "prefetch_threshold": BLOCK, "prefetch_timeout_max": 0.2,
+                **same_step(opts),
             },
         )
     h = make_harness(tiny_model_dir, num_blocks=24, max_num_seqs=6, max_batched=96, **extra)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.connector.harness import LAYERS, make_harness
-from vllm_hicache.common.jobs import BackupJob, BlockCopy, LoadJob, PrefetchJob
+from vllm_hicache.common.jobs import BackupJob, BlockCopy, LoadJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.connector.metadata import HiCacheMetadata, HiCacheWorkerMetadata
 from vllm_hicache.datapath import KVDataPath
 
@@ -84,6 +85,7 @@ class RecordingIO:
     """Stands in for StorageIO: records what the worker submits."""
 
     worker_id = 0
+    pages = SimpleNamespace(backend=None)  # no node tier to count
 
     def __init__(self) -> None:
         self.backups: list[BackupJob] = []
@@ -99,6 +101,12 @@ class RecordingIO:
         return {}, set()
 
     def take_backup_failures(self):
+        return {}
+
+    def take_removed_keys(self):
+        return []
+
+    def take_prefetch_timings(self):
         return {}
 
     def shutdown(self) -> None:
@@ -249,7 +257,7 @@ def test_async_load_failure_is_finished_with_its_blocks_failed(rig):
 def test_failed_store_is_reported_once_and_never_read(rig):
     h, w, _ = rig
     store_blocks(h, w, SRC_BLOCKS, SRC_PAGES)
-    w._io = RecordingIO()
+    w._rank_l3.io = RecordingIO()
     wrapper = inject(w, lambda op, layer, pages: op == "store" and 40 in pages)
     failed_copy = BlockCopy((30, 31), (40, 41))
     backup = BackupJob(7, (b"a", b"b", b"c"), (2, 40, 41))
@@ -275,7 +283,7 @@ def test_failed_store_is_reported_once_and_never_read(rig):
 
 def test_rewritten_pages_are_readable_again(rig):
     h, w, _ = rig
-    w._io = RecordingIO()
+    w._rank_l3.io = RecordingIO()
     fail = {"on": True}
     inject(w, lambda op, layer, pages: fail["on"] and op == "store")
     _, _, worker_meta = run_step(h, w, HiCacheMetadata(stores=BlockCopy((0, 1), (60, 61))))
@@ -322,7 +330,7 @@ def test_a_failed_load_drops_the_stores_of_its_step(rig):
     h, w, _ = rig
     store_blocks(h, w, SRC_BLOCKS, SRC_PAGES)
     wrapper = inject(w, lambda op, layer, pages: op == "load_layer" and BAD_PAGE in pages)
-    w._io = RecordingIO()
+    w._rank_l3.io = RecordingIO()
     new = BlockCopy((30, 31), (8, 9))
     meta = HiCacheMetadata(loads=[GOOD, BAD], stores=new,
                            backups=[BackupJob(7, (b"h8", b"h9"), (8, 9))])
@@ -334,13 +342,15 @@ def test_a_failed_load_drops_the_stores_of_its_step(rig):
 
 
 def test_a_hook_without_what_it_needs_names_it(tiny_model_dir):
-    """An L3 job reaching a rank with no storage client, or a step hook
-    before the KV caches are registered, fails naming what is missing."""
+    """An L3 job reaching a rank with no storage client is answered at once
+    (a prefetch that read nothing: the scheduler never waits on it); a step
+    hook before the KV caches are registered fails naming what is missing."""
     h = make_harness(tiny_model_dir)
     w = h.worker.worker
     assert w._io is None
-    with pytest.raises(RuntimeError, match="no storage backend attached"):
-        w.bind(HiCacheMetadata(prefetches=[PrefetchJob(3, (b"x",), (61,))]))
+    w.bind(HiCacheMetadata(prefetches=[PrefetchJob(3, (b"x",), (61,))]))
+    report = w.worker_meta()
+    assert report.prefetch == {3: {0: PrefetchProgress(0, True)}}
     data, w.data = w.data, None
     try:
         with pytest.raises(RuntimeError, match="KV caches are not registered yet"):

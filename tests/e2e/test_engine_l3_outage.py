@@ -1,6 +1,8 @@
 """An L3 outage on a real engine: Redis killed mid-run. Every request still
 completes with identical outputs within its prefetch deadline; after a
-restart, hits come back by themselves."""
+restart, hits come back by themselves. With the circuit breaker off: what
+requests see of the dead store itself (the breaker's own outage tests are
+in test_engine_l3_breaker.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ def test_redis_outage_costs_misses_not_answers(tiny_model_dir, reference, tmp_pa
         "hicache_io_backend": "direct",
         "hicache_storage_backend": "redis",
         "hicache_storage_prefetch_policy": "timeout",
+        "l3_breaker": False,
         "hicache_storage_backend_extra_config": {
             "url": server.url, "socket_timeout_s": 0.5, "prefetch_threshold": 32,
             "prefetch_timeout_base": 1.0, "prefetch_timeout_per_ki_token": 0.0,

@@ -45,8 +45,9 @@ pytestmark = pytest.mark.engine
 # The two groups share vLLM's KV memory: 1 MiB (the tiny Llama's) holds 480
 # tokens of this model, less than a 512-token request; 2 MiB is 64 blocks.
 KV_BYTES = 2 << 20
-# Turn 1's prompt ends past the 64-token window; blocks 3 and 4 are decode's.
-WORKLOAD = Workload(turn1_tokens=100)
+# Turn 1's prompt ends past the 64-token window; blocks 3 and 4 are decode's
+# (a 72-token answer: the geometry test_decode_stores_only_... counts on).
+WORKLOAD = Workload(turn1_tokens=100, turn1_max_tokens=72)
 
 
 def serve_args() -> list[str]:

@@ -43,7 +43,9 @@ pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).with_name("vllm-hicache")
-START_TIMEOUT_S = 240.0
+# A server's start (imports, model load, warm-up) took up to 3 min on 2 busy
+# cores; a failed start still ends at once (wait_healthy watches the process).
+START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 60.0
 MAX_TOKENS = 8
@@ -134,7 +136,7 @@ class Server:
     name: str
     argv: list[str]
     log_path: Path
-    core: int
+    core: int | str  # a CPU, or another VLLM_CPU_OMP_THREADS_BIND ("nobind": several engines)
     port: int
     proc: subprocess.Popen | None = None
 
@@ -148,7 +150,10 @@ class Server:
                if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
         env.update(VLLM_CPU_OMP_THREADS_BIND=str(self.core), HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                   VLLM_CACHE_ROOT=str(self.log_path.parent / f"vllm-cache-{self.name}"))
+                   VLLM_CACHE_ROOT=str(self.log_path.parent / f"vllm-cache-{self.name}"),
+                   # The test backends (``dynamic``: tests.storage.user_backend) must be
+                   # importable in the server's processes too, started from .venv/bin.
+                   PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]))
         argv = self.argv + ["--host", "127.0.0.1", "--port", str(self.port)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -1,5 +1,5 @@
 """HiRadixTree.hot_nodes / node_chain: what a runtime L3 attach backs up
-(admin/storage_control.py), in which order, under which hashes."""
+(admin/clear.py), in which order, under which hashes."""
 
 from __future__ import annotations
 

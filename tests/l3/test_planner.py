@@ -11,6 +11,7 @@ from tests.connector import mem_backend
 from tests.connector.harness import BLOCK, make_harness
 from tests.scheduler.test_scheduler import assert_clean, prompt
 from vllm_hicache.l3.canary import is_canary_key
+from vllm_hicache.l3.health_check import probe_key
 
 
 def l3_harness(model_dir, policy="wait_complete", threshold=BLOCK, max_num_seqs=8, **extra):
@@ -169,7 +170,8 @@ def test_admin_clear_empties_l3_and_reset_keeps_it(tiny_model_dir):
     assert h.scheduler.connector.reset_cache()
     assert num_pages_stored(store) == 3  # reset_cache leaves L3 alone
     h.sched_half.l3.clear_storage()
-    assert len(store) == 0
+    # The breaker's health check may write its object again at once.
+    assert set(store) <= {probe_key(h.sched_half.l3.namespaces[0])}
 
 
 def test_lookup_backlog_is_bounded(tiny_model_dir, monkeypatch):
@@ -210,10 +212,13 @@ def test_empty_steps_pause_while_a_request_waits_on_l3(tiny_model_dir, monkeypat
     mem_backend.GATES[h.sched_half.l3.backend.store_name] = gate = threading.Event()
     try:
         h.add("b", tokens)
-        for _ in range(3):  # the lookup is stuck: nothing can be scheduled
+        for _ in range(3):  # the prefetch is stuck: nothing can be scheduled
             so = h.step(complete_async=False)
             assert so.total_num_scheduled_tokens == 0
-        assert naps == [scheduler_module.EMPTY_STEP_PAUSE_S] * 3
+        # The first step may have spent its pause waiting for the lookup to
+        # answer (and then sent the prefetch); every later one pauses.
+        assert naps in ([scheduler_module.EMPTY_STEP_PAUSE_S] * 2,
+                        [scheduler_module.EMPTY_STEP_PAUSE_S] * 3)
     finally:
         gate.set()
     h.run()

@@ -1,7 +1,8 @@
 """What the L3 tier does where its types say a value may be missing: a
 lookups-only planner (no PlannerContext) refuses to plan or complete page
-ops by name, and an attach command without storage keys is refused by name
-(its ack carries the error) without building a client."""
+ops by name, and a prepare command without storage keys is refused by name
+(its ack carries the error) without building a client, as is a commit
+of a generation never prepared."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.connector.mem_backend import MemBackend
 from vllm_hicache.common.jobs import StorageCommand
 from vllm_hicache.common.page_ops import PinnedRange
 from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
-from vllm_hicache.l3.attach_worker import run_storage_command
+from vllm_hicache.l3.attach_worker import RankL3
 from vllm_hicache.l3.planner import L3Planner
 from vllm_hicache.storage import StorageContext
 
@@ -39,10 +40,14 @@ def test_a_planner_without_context_looks_up_but_plans_nothing(lookups_only):
         lookups_only.on_worker_meta(HiCacheWorkerMetadata())
 
 
-def test_an_attach_without_storage_keys_is_refused_by_name():
+def test_a_prepare_without_storage_keys_is_refused_by_name():
     built = []
-    held = run_storage_command(StorageCommand(5, "attach", {}), None, None,
-                               lambda *args: built.append(args), worker_id=3)
+    rank = RankL3(None, None, worker_id=3)
+    rank.run(StorageCommand(5, "prepare", {}, generation=1), lambda *args: built.append(args))
     assert not built
-    assert held.io is None and held.storage is None
-    assert "names no hicache_storage_* keys" in held.ack[5][3]
+    assert rank.io is None and rank.storage is None
+    assert "names no hicache_storage_* keys" in rank.acks[5][3]
+    rank.run(StorageCommand(6, "commit", generation=1), lambda *args: built.append(args))
+    assert "no client was prepared for backend generation 1" in rank.acks[6][3]
+    rank.run(StorageCommand(7, "launch"), lambda *args: built.append(args))
+    assert "unknown storage command 'launch'" in rank.acks[7][3]

@@ -171,3 +171,57 @@ def test_backup_then_prefetch_carries_page_states(store, monkeypatch):
         assert io.poll()[0] == {2: PrefetchProgress(5, True, frozenset({1, 4}))}
     finally:
         io.shutdown()
+
+
+def test_a_finished_prefetch_reports_where_its_time_went(store):
+    """Queued behind a held backup, then read: its timing comes with (or
+    before) the poll that reports it finished, once, in durations that add up
+    to no more than the time it took."""
+    gate = threading.Event()
+    store.backend.put_gate = gate
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    hashes = tuple(bytes([p]) * 8 for p in range(3))
+    for page in range(3):
+        io.submit_backup(backup(page, page))
+    started_s = time.perf_counter()
+    io.submit_prefetch(PrefetchJob(6, hashes, (8, 9, 10)))
+    time.sleep(0.05)
+    assert io.take_prefetch_timings() == {}  # still queued behind the backups
+    gate.set()
+    assert io.wait_idle(10)
+    elapsed_s = time.perf_counter() - started_s
+    progress, _ = io.poll()
+    assert progress == {6: PrefetchProgress(3, True)}
+    (timing,) = io.take_prefetch_timings().values()
+    assert timing.queue_s >= 0.04  # it waited for the thread the backups held
+    assert timing.io_s > 0 and timing.check_s > 0
+    assert sum(timing) <= elapsed_s
+    assert io.take_prefetch_timings() == {}
+    io.shutdown()
+
+
+def test_wait_read_returns_once_the_pages_are_read(store):
+    """Same-step loads (l3/same_step.py) wait for a read, not a step."""
+    for page in range(2):
+        store.write([bytes([page]) * 8], [page])
+    store.backend.get_gate = gate = threading.Event()
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    io.submit_prefetch(PrefetchJob(7, (bytes([0]) * 8, bytes([1]) * 8), (8, 9)))
+    started = time.monotonic()
+    assert io.wait_read(7, 2, 0.05) == 0  # held back: bounded, nothing read
+    assert time.monotonic() - started >= 0.05
+    threading.Timer(0.05, gate.set).start()
+    assert io.wait_read(7, 2, GATE_TIMEOUT_S) == 2
+    assert time.monotonic() - started < GATE_TIMEOUT_S / 2  # woken by the read, not the timeout
+    assert io.wait_read(99, 1, 1.0) == 0  # an op it never ran: no wait, nothing read
+    io.shutdown()
+
+
+def test_wait_read_stops_at_a_missing_object(store):
+    store.write([bytes([0]) * 8], [0])  # block 1 is not in L3
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    io.submit_prefetch(PrefetchJob(8, (bytes([0]) * 8, bytes([1]) * 8), (8, 9)))
+    started = time.monotonic()
+    assert io.wait_read(8, 2, GATE_TIMEOUT_S) == 1  # the read ended short: no timeout
+    assert time.monotonic() - started < GATE_TIMEOUT_S / 2
+    io.shutdown()

@@ -234,3 +234,18 @@ def test_prefill_model_reset_forgets_the_fit_and_keeps_the_settings():
     assert (model.decay, model.min_samples, model.clip) == (0.5, 2, 3.0)
     steps(model, 1e-4, 0.0, SHAPES)
     assert model.coefficients[0] == pytest.approx(1e-4, rel=0.02)
+
+
+def test_l3_time_includes_the_lookup_latency():
+    d = LoadDecider("auto", PAGE)
+    warm(d, l2_bytes_per_s=10e9, l3_bytes_per_s=2e9)
+    # 4 pages for 64 tokens: 2.5 ms of bytes against 6.4 ms of compute.
+    assert d.prefetch_l3(0, 64, 4)
+    assert d.l3_latency_s() == 0.0
+    for seconds in (0.02, 0.02, 5.0):  # the median: one stalled lookup does not count
+        d.observe_l3_latency(seconds)
+    assert d.l3_latency_s() == 0.02
+    assert not d.prefetch_l3(0, 64, 4)        # a far store: recompute the short hit
+    assert d.prefetch_l3(0, 1024, 64)         # a long one still pays
+    d.observe_l3_latency(-1.0)                 # not a round trip: ignored
+    assert d.l3_latency_s() == 0.02

@@ -43,3 +43,25 @@ def test_config_accepts_exactly_the_policies():
         cfg = make_config(hicache_storage_backend="file",
                           hicache_storage_prefetch_policy=name)
         assert cfg.storage.prefetch_policy == name
+
+
+def test_prefetch_threshold_is_auto_by_default_or_a_number_of_tokens():
+    from vllm_hicache.policy.prefetch import (
+        PREFETCH_THRESHOLD_AUTO,
+        min_prefetch_blocks,
+        parse_prefetch_threshold,
+    )
+
+    def storage(**extra):
+        return make_config(hicache_storage_backend="file",
+                           hicache_storage_backend_extra_config={"path": "/x", **extra}).storage
+
+    assert storage().prefetch_threshold == PREFETCH_THRESHOLD_AUTO
+    assert storage(prefetch_threshold="auto").prefetch_threshold == "auto"
+    assert storage(prefetch_threshold=256).prefetch_threshold == 256
+    assert parse_prefetch_threshold(64.0) == 64
+    for bad in (0, -1, 1.5, True, "256", "Auto", None):
+        with pytest.raises(ValueError, match="prefetch_threshold"):
+            storage(prefetch_threshold=bad)
+    assert min_prefetch_blocks("auto", 16) == 1
+    assert min_prefetch_blocks(256, 16) == 16 and min_prefetch_blocks(17, 16) == 2

@@ -9,6 +9,7 @@ import logging
 import os
 from types import SimpleNamespace
 
+import msgpack
 import pytest
 
 from tests.conftest import make_config
@@ -19,6 +20,8 @@ from vllm_hicache.planner.log_format import (
     Drops,
     Finish,
     LogHeader,
+    _record,
+    encode_admit,
     read_log,
     read_logs,
 )
@@ -47,13 +50,18 @@ def request(req_id: str, hashes: list[bytes], num_tokens: int, **kw) -> SimpleNa
 
 
 class FakePlanner:
-    """L3Planner.prefetched_range, for the L2/L3 split."""
+    """L3Planner.prefetched_range and node_range, for the L2/L3/node split."""
 
-    def __init__(self, ranges: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, ranges: dict[str, tuple[int, int]],
+                 node: dict[str, tuple[int, int]] | None = None) -> None:
         self.ranges = ranges
+        self.node = node or {}
 
     def prefetched_range(self, req_id: str):
         return self.ranges.get(req_id)
+
+    def node_range(self, req_id: str):
+        return self.node.get(req_id)
 
 
 @pytest.fixture
@@ -82,6 +90,43 @@ def test_records_roundtrip_with_header_and_tier_split(log_path):
     assert finish == Finish(finish.t_ms, 0, 12, 8,
                             tuple(h[:HASH_BYTES] for h in chain("out", 2)))
     assert 0 <= arrive.t_ms <= admit.t_ms <= finish.t_ms
+
+
+def test_an_l3_hit_records_where_its_wait_went_and_old_records_still_read(log_path):
+    writer = AccessLogWriter(log_path, HEADER, 10**6, flush_s=NO_TIMER_S)
+    hashes = chain("s", 4)
+    stages = {"lookup": 0.0015, "io": 0.0042, "load_wait": 0.02}
+    writer.admit(request("l3", hashes, 4 * BS + 1), 0, 4 * BS, FakePlanner({"l3": (0, 4)}),
+                 l3_stages=stages)
+    # Stages without L3 tokens are not written.
+    writer.admit(request("l2", chain("t", 2), 2 * BS + 1), 0, 2 * BS, l3_stages=stages)
+    writer.close()
+    with_l3, without = read_log(log_path).records
+    assert with_l3.l3_tokens == 4 * BS
+    assert with_l3.l3_stages_us == {"lookup": 1500, "io": 4200, "load_wait": 20000}
+    assert without.l3_stages_us is None
+    # A record of an older writer (ten items, no stage map) reads as before.
+    old = msgpack.unpackb(encode_admit(5, 1, 2, 3 * BS, 0, BS, 0, 0, b"x" * HASH_BYTES),
+                          raw=False)
+    assert len(old) == 10
+    assert _record(old, HASH_BYTES) == Admit(5, 1, 2, 3 * BS, 0, BS, 0, 0, (b"x" * HASH_BYTES,))
+
+
+def test_node_tier_tokens_are_recorded_beside_the_l3_ones(log_path):
+    writer = AccessLogWriter(log_path, HEADER, 10**6, flush_s=NO_TIMER_S)
+    # L1 had block 0; HiCache loaded 1-4, its prefetch brought 2-4, the
+    # lookup found 2-5 in the node tier (block 5 lies beyond this admission).
+    writer.admit(request("n", chain("n", 5), 5 * BS + 1), BS, 4 * BS,
+                 FakePlanner({"n": (2, 5)}, {"n": (2, 6)}))
+    writer.admit(request("r", chain("r", 2), 2 * BS + 1), 0, 2 * BS, FakePlanner({"r": (0, 2)}))
+    writer.close()
+    node, remote = read_log(log_path).records
+    assert (node.l2_tokens, node.l3_tokens, node.l3_node_tokens) == (BS, 3 * BS, 3 * BS)
+    assert node.l3_stages_us is None  # written as nil before the node tokens
+    assert (remote.l3_tokens, remote.l3_node_tokens) == (2 * BS, 0)
+    # Without node tokens the record is as an older writer's (ten items).
+    assert len(msgpack.unpackb(encode_admit(5, 1, 2, BS, 0, 0, BS, 0, b"x" * HASH_BYTES,
+                                            None, 0), raw=False)) == 10
 
 
 def test_queue_is_bounded_and_drops_are_counted_and_logged(log_path):

@@ -17,7 +17,8 @@ from tests.connector import mem_backend
 from tests.connector.harness import BLOCK, make_harness
 from tests.l3.test_planner import num_pages_stored
 from tests.scheduler.test_scheduler import assert_clean, prompt
-from vllm_hicache.config import HiCacheConfig, check_kv_role
+from vllm_hicache.config import HiCacheConfig
+from vllm_hicache.config_finish import check_kv_role
 from vllm_hicache.connector import HiCacheConnector
 from vllm_hicache.scheduler.pd import PDRole, loads_hits, pd_role
 

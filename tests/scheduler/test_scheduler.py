@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from tests.connector.harness import BLOCK, make_harness
+from vllm_hicache.common.stats import key
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -102,6 +103,11 @@ def test_selective_write_needs_second_use(tiny_model_dir):
     h.add("a", tokens)
     h.run()
     assert h.sched_half.tree.num_cached_pages == 0
+    # Counted as kept out by the rule (admission_declined_blocks{tier="L2", rule="hits"}).
+    declined = h.sched_half.stats.store_declined_blocks
+    assert declined.keys() == {"hits"} and declined["hits"] >= 3
+    assert h.sched_half.stats.as_samples()[
+        key("admission_declined_blocks", "L2", "hits")] == declined["hits"]
     h.add("b", tokens)  # L1 hit: second use of the 3 blocks
     h.run()
     assert h.sched_half.tree.num_cached_pages == 3

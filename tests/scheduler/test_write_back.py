@@ -238,6 +238,23 @@ def test_prefix_cache_reset_writes_back_everything_tracked():
     rig.watcher.check_invariants()
 
 
+def test_a_stop_writes_back_every_tracked_block_shallow_ones_first():
+    rig = Rig(max_tracked_blocks=8)
+    A, B, C, D, E = names("A", "B", "C", "D", "E")
+    rig.compute([A, B, C])
+    rig.compute([D, E])
+    rig.pool.evict([E])  # E left L1 already (and went to L2 then)
+    rig.watcher.plan(rig.tree, rig.alloc)
+    cached = {h: b.block_id for h, b in rig.pool._by_hash.items()}
+    assert rig.watcher.write_back_tracked(cached.get) == 4
+    copies = rig.watcher.plan(rig.tree, rig.alloc)
+    # Depth first, then the most recently observed: D (newer) before A.
+    assert [c.chain for c in copies] == [[D], [A], [A, B], [A, B, C]]
+    assert all(c.block_id == cached[c.chain[-1]] for c in copies)
+    assert all(rig.in_l2(c.chain) for c in copies) and rig.in_l2([D, E])
+    rig.watcher.check_invariants()
+
+
 def test_inconsistent_chains_cannot_hang_the_trim():
     # Chained hashes never form a cycle; a caller bug must still not loop.
     rig = Rig(max_tracked_blocks=1)

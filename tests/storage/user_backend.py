@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm_hicache.storage import Buffers, StorageBackend, StorageContext
+from vllm_hicache.storage.file.backend import FileBackend
 
 _SAFE_KEY = re.compile(r"[a-z0-9_-]{1,200}")
 
@@ -107,6 +108,56 @@ class SlowPutBackend(MemoryBackend):
     (default 0.5 s): a congested NFS or object store."""
 
     name = "slow-put"
+
+    def __init__(self, options: Mapping[str, Any], ctx: StorageContext) -> None:
+        options = dict(options)
+        self.put_delay_s = float(options.pop("put_delay_s", 0.5))
+        super().__init__(options, ctx)
+
+    def put(self, keys, sources):
+        import time
+
+        time.sleep(self.put_delay_s)
+        return super().put(keys, sources)
+
+
+class SleepyBackend(MemoryBackend):
+    """MemoryBackend whose every call first sleeps ``sleep_s`` (default 2 s)
+    while the file ``sleep_flag`` exists: a store that turns slow mid-run
+    and recovers when the test removes the flag."""
+
+    name = "sleepy"
+
+    def __init__(self, options: Mapping[str, Any], ctx: StorageContext) -> None:
+        options = dict(options)
+        self.sleep_s = float(options.pop("sleep_s", 2.0))
+        self.sleep_flag = str(options.pop("sleep_flag"))
+        super().__init__(options, ctx)
+
+    def _nap(self) -> None:
+        import time
+
+        if os.path.exists(self.sleep_flag):
+            time.sleep(self.sleep_s)
+
+    def exists_prefix(self, keys):
+        self._nap()
+        return super().exists_prefix(keys)
+
+    def get(self, keys, targets):
+        self._nap()
+        return super().get(keys, targets)
+
+    def put(self, keys, sources):
+        self._nap()
+        return super().put(keys, sources)
+
+
+class SlowFileBackend(FileBackend):
+    """The ``file`` backend whose every ``put`` call first sleeps
+    ``put_delay_s`` (default 0.5 s; 0 = as fast as the file backend): a
+    throttled shared file system. Servers that share its ``path`` share
+    objects, whatever their delays."""
 
     def __init__(self, options: Mapping[str, Any], ctx: StorageContext) -> None:
         options = dict(options)

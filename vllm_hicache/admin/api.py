@@ -4,7 +4,8 @@
                                             policies, L2 occupancy, counters
     PUT    /hicache/storage-backend         attach, or update the attached
                                             backend's policies (JSON body)
-    DELETE /hicache/storage-backend         detach (idempotent; deletes nothing)
+    DELETE /hicache/storage-backend         detach (idempotent; deletes nothing);
+                                            optional JSON body {"pending_backups": ...}
     POST   /hicache/storage-backend/clear   delete every object of the attached L3
     POST   /set_hicache_storage_backend     SGLang's older form: {"storage_backend":
                                             "<name>" | null, ...}; null = detach
@@ -14,7 +15,9 @@ PUT body (SGLang's names are accepted too, in brackets)::
     {"backend": "file",                         [hicache_storage_backend]
      "extra_config": {"path": "/mnt/l3"},       [hicache_storage_backend_extra_config(_json)]
      "prefetch_policy": "timeout",              [hicache_storage_prefetch_policy]
-     "write_policy": "write_through"}           [hicache_write_policy]
+     "write_policy": "write_through",           [hicache_write_policy]
+     "pending_backups": "finish"}               replace: the old backend's unwritten
+                                                backups: finish | drop | move
 
 ``extra_config`` is what ``hicache_storage_backend_extra_config`` takes (an
 object or a JSON string of one, not ``@file``). A file named inside it
@@ -39,11 +42,11 @@ Every call passes, in order (a refused one reaches nothing of the engine):
 
 Answers are JSON: the GET view on success; ``{"error": ..., "field": ...}``
 with 400 for a bad body or an unknown backend (nothing changes), 401 without
-the key, 403 for a foreign Host or Origin, 409 when the engine is not idle or
-another backend is attached, 413 for a body over the limit, 415 without a
-JSON Content-Type, 500 when a rank failed an attach (rolled back), 502 when
-the backend cannot be reached, 503 when the engine does not take the call in
-time.
+the key, 403 for a foreign Host or Origin, 409 (admin_storage_switch=idle
+only) when the engine is not idle or another backend is attached, 413 for
+a body over the limit, 415 without a JSON Content-Type, 500 when a rank
+failed an attach (rolled back), 502 when the backend cannot be reached, 503
+when the engine does not take the call in time.
 
 Served by uvicorn (a FastAPI app) on a daemon thread of the EngineCore
 process, one per engine (data parallel engine i: port + i), on
@@ -72,8 +75,13 @@ from vllm_hicache.admin.guard import (
     origin_problem,
 )
 from vllm_hicache.admin.key_file import remove_key_file, write_key_file
-from vllm_hicache.admin.storage_control import AttachSpec, StorageControl
-from vllm_hicache.config import ADMIN_KEY_AUTO, admin_key_file
+from vllm_hicache.admin.storage_control import AttachSpec, DetachSpec, StorageControl
+from vllm_hicache.config_admin import ADMIN_KEY_AUTO, admin_key_file
+from vllm_hicache.policy.storage_switch import (
+    DEFAULT_PENDING_BACKUPS,
+    PENDING_BACKUPS,
+    PendingBackups,
+)
 from vllm_hicache.policy.write import WRITE_POLICIES
 from vllm_hicache.storage_config import (
     PREFETCH_POLICIES,
@@ -102,6 +110,7 @@ _ALIASES = {
                      "hicache_storage_backend_extra_config_json"),
     "prefetch_policy": ("prefetch_policy", "hicache_storage_prefetch_policy"),
     "write_policy": ("write_policy", "hicache_write_policy"),
+    "pending_backups": ("pending_backups",),
 }
 
 
@@ -150,7 +159,8 @@ def parse_attach(body: Any, legacy: bool = False,
             raise BodyError(values["extra_config"][0], str(err)) from None
     policies: dict[str, str | None] = {}
     for canon, choices in (("prefetch_policy", PREFETCH_POLICIES),
-                           ("write_policy", WRITE_POLICIES)):
+                           ("write_policy", WRITE_POLICIES),
+                           ("pending_backups", PENDING_BACKUPS)):
         key, value = values.get(canon, (canon, None))
         if value is not None and (not isinstance(value, str) or value not in choices):
             raise BodyError(key, f"invalid {canon} {value!r}; accepted: {', '.join(choices)}")
@@ -170,7 +180,26 @@ def parse_attach(body: Any, legacy: bool = False,
         prefetch_policy_given=policies["prefetch_policy"] is not None,
         extra_config_given="extra_config" in values,
         write_policy=policies["write_policy"],
+        pending_backups=PendingBackups(policies["pending_backups"] or DEFAULT_PENDING_BACKUPS),
     )
+
+
+def parse_detach(body: Any) -> DetachSpec:
+    """Validate a DETACH body (``None``: no body): only ``pending_backups``,
+    ``finish`` or ``drop`` (a detach has nowhere to move them)."""
+    if body is None:
+        return DetachSpec()
+    if not isinstance(body, dict):
+        raise BodyError("body", "expected a JSON object")
+    for key in body:
+        if key != "pending_backups":
+            raise BodyError(key, f"unknown field {key!r}; accepted: pending_backups")
+    value = body.get("pending_backups", DEFAULT_PENDING_BACKUPS)
+    choices = (PendingBackups.FINISH, PendingBackups.DROP)
+    if not isinstance(value, str) or value not in choices:
+        raise BodyError("pending_backups", f"invalid pending_backups {value!r} for a detach; "
+                                           f"accepted: {', '.join(choices)}")
+    return DetachSpec(PendingBackups(value))
 
 
 def _extra_config(key: str, raw: Any) -> dict[str, Any]:
@@ -225,7 +254,7 @@ def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float =
             return error(415, problem, "Content-Type")
         return await call_next(request)
 
-    async def run(kind: str, spec: AttachSpec | None = None):
+    async def run(kind: str, spec: AttachSpec | DetachSpec | None = None):
         future = control.submit(kind, spec)
         answer = asyncio.wrap_future(future)
         try:
@@ -236,10 +265,10 @@ def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float =
                                   "(nothing changed)")
             # Taken: its own deadlines bound it.
             status, body = await asyncio.wait_for(
-                answer, control.drain_timeout_s + control.ack_timeout_s + engine_wait_s)
+                answer, control.drain_timeout_s + 2 * control.ack_timeout_s + engine_wait_s)
         return JSONResponse(body, status)
 
-    async def read_body(request: Request) -> Any:
+    async def read_body(request: Request, optional: bool = False) -> Any:
         too_large = BodyError("body", f"larger than {MAX_BODY_BYTES} bytes", status=413)
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
@@ -250,6 +279,8 @@ def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float =
             if len(raw) > MAX_BODY_BYTES:
                 raise too_large
         if not raw.strip():
+            if optional:
+                return None
             raise BodyError("body", "expected a JSON object")
         if json_depth(raw, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             raise BodyError("body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
@@ -274,8 +305,12 @@ def build_app(control: StorageControl, api_key: str = "", engine_wait_s: float =
         return await attach(request, legacy=False)
 
     @app.delete(API_PATH)
-    async def delete_backend():
-        return await run("detach")
+    async def delete_backend(request: Request):
+        try:
+            spec = parse_detach(await read_body(request, optional=True))
+        except BodyError as err:
+            return error(err.status, str(err), err.field)
+        return await run("detach", spec)
 
     @app.post(API_PATH + "/clear")
     async def clear_backend():

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hicache.config import is_loopback
+from vllm_hicache.config_admin import is_loopback
 
 # --- who may call ------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The admin API key made at start (``admin_api_key="auto"``, the default).
 
-Format and invariant: the file (config.admin_key_file: ``admin-api-<port>.key``
+Format and invariant: the file (config_admin.admin_key_file: ``admin-api-<port>.key``
 in ``admin_api_key_dir``) holds the key, 43 URL-safe characters (256 random
 bits), and a newline, so ``curl -H "Authorization: Bearer $(cat FILE)"``
 works. It is created with mode 0600 in a directory that only its owner can

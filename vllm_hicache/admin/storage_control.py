@@ -1,4 +1,5 @@
-"""Runtime attach and detach of the L3 tier: the engine side of the admin API.
+"""Runtime attach, replace and detach of the L3 tier: the engine side of
+the admin API.
 
 Where commands run. The admin HTTP server (admin/api.py) runs on a thread of
 the EngineCore process, but the scheduler half's state belongs to the engine
@@ -8,51 +9,72 @@ loop. So ``StorageControl.submit`` queues a command and wakes the loop
 request runs), and the command runs in ``build_connector_meta``
 (``on_step``), between steps, like everything else of the scheduler half.
 The HTTP thread waits on the command's future. Every answer is
-``(HTTP status, JSON body)``.
+``(HTTP status, JSON body)``. One attach, replace or detach runs at a time;
+GET and clear are answered in between; what GET reports is admin/status.py's.
 
-Idle rule (attach and detach): no request known to the scheduler half
-(running, waiting or preempted); refused with 409 and the counts otherwise.
-Transfers still in flight (backups, prefetches, lookups, async loads, a
-clear) are waited for, up to ``DRAIN_TIMEOUT_S`` with the engine stepping,
-then refused with 409 and their counts. A detach stops the backfill (below)
-from planning more while it waits.
+When (``admin_storage_switch``, policy/storage_switch.py). ``live`` (the
+default): commands run while requests run. ``idle`` (SGLang's rule): an
+attach or detach is refused with 409 and the counts while any request is
+known to the scheduler half (running, waiting or preempted); transfers in
+flight (backups, prefetches, lookups, async loads, a clear) are waited for,
+up to ``DRAIN_TIMEOUT_S`` with the engine stepping, then refused with 409
+and their counts; a different backend needs a detach first (409).
 
-Attach:
+Attach and replace (a PUT naming other options or another backend while
+one is attached), two phases, the old backend serving throughout the first:
 
-1. the scheduler half checks (block hashes shareable, no other backend),
-   builds its planner (backend client, key namespaces) and allocates two
-   free L2 pages for the workers' canary (l3_canary: L2 is in use now);
-2. that step's metadata carries a StorageCommand that every rank runs
-   before anything else of the step: it builds its StorageIO (backend
-   client, canary on the two pages);
-3. every rank acknowledges in its worker metadata (merged over ranks). When
-   all have: success installs the planner as ``sched.l3`` and queues L2's
-   content for backup (``Backfill``); any failure sends a detach command that
-   undoes the ranks that succeeded, closes the planner, and the answer names
-   each failed rank's error. The planner is installed only once every rank
-   has its client and removed before any rank drops it, so nothing is ever
-   planned for a rank without one.
+1. prepare (the step that takes the command, N): the scheduler half checks
+   (block hashes shareable), builds the new planner with the next backend
+   generation and allocates two free L2 pages for the canary; step N's
+   metadata carries ``prepare``: every rank builds its new client beside the
+   serving one and runs the canary on the two pages.
+2. when every rank has acknowledged: a failure anywhere sends ``abort``
+   (every rank drops its new client), closes the new planner and answers 500
+   naming each failed rank; the old backend never stopped serving. Success:
+   the next step (N+1, or N+2 when vLLM schedules a step ahead) carries
+   ``commit`` and, in that same ``on_step`` before anything is planned, the
+   scheduler half swaps the planners. Every rank swaps its client before any
+   job of that step, so from N+1 on every job names the new generation and
+   runs on the new client, and lookups never lack a planner. Answered when
+   every rank has acknowledged the commit, with the switch's steps and
+   seconds and what was pending (``pending_backups``).
 
-Detach removes ``sched.l3`` at once (nothing more is planned), every rank
-closes its client, and the planner is closed when all have acknowledged.
-Nothing stored is deleted; detaching a detached tier succeeds.
+Detach: the planner is removed in the step that takes the command (nothing
+more is planned for it); that step's ``detach`` retires every rank's client.
 
-Re-attaching the attached backend updates its prefetch policy and knobs and
-the write policy in place (no idle wait for transfers: nothing is rebuilt);
-different backend options, another backend, a different storage_secret are
-refused (409): detach first.
+The planner is installed only once every rank holds its client, and a
+client is closed only after the planner stopped planning for it and its
+last job ended, so nothing is ever planned for a rank without one.
 
-Backfill: what L2 held before the attach is backed up in the background
-(l3/backfill.py), at most ``BACKFILL_PAGES_PER_STEP`` pages a step and
-``BACKFILL_MAX_INFLIGHT_PAGES`` unacknowledged, as ordinary BACKUP ops
-(pinned until every rank acknowledged). The worker side of a command is
-l3/attach_worker.py.
+The old backend retires (l3/retiring.py, l3/attach_worker.py): requests no
+longer wait on its lookups (they load what L2 holds and recompute the rest,
+as after a prefetch timeout); its prefetches are cancelled on the workers
+(a running read stops after its current batch; what arrived is indexed);
+its unwritten backups follow the call's ``pending_backups``: ``finish``
+(default) writes them to the old backend, its deferred backlog too (sent in
+the switching step, so no job of the old generation is made later), within
+``RETIRE_DRAIN_S`` (then each rank drops what is still queued, counted);
+``drop`` drops and counts them; ``move`` sends them to the new backend
+(replace only). Pinned pages of open ops stay pinned until every rank acknowledged
+(never earlier: a thread may still read them). Jobs, and prefetch op ids,
+carry their backend generation, and every planner acts only on its own op
+ids, so an acknowledgement that arrives after the switch completes the old
+backend's op and never one of the new backend's. The old planner's client
+closes once its last op has ended; GET shows it under ``retiring``.
+
+Re-attaching the attached backend with the same options (or none) updates
+its prefetch policy and knobs and the write policy in place, at once.
+
+Clear and the backfill after an attach or replace (what L2 held, backed
+up to the new backend in the background) are admin/clear.py's. The worker
+side of a command is l3/attach_worker.py.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -62,28 +84,34 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_hicache import io_threads
+from vllm_hicache.admin.clear import BackfillRun, StorageClear
+from vllm_hicache.admin.status import SwitchView, status_report, switch_state
 from vllm_hicache.common.jobs import BackupJob, StorageCommand
-from vllm_hicache.l3.backfill import Backfill
+from vllm_hicache.l3.retiring import RETIRE_DRAIN_S, RetiringPlanner
+from vllm_hicache.policy.storage_switch import (
+    DEFAULT_PENDING_BACKUPS,
+    PendingBackups,
+    StorageSwitch,
+)
 from vllm_hicache.policy.write import WritePolicyName
-from vllm_hicache.redaction import REDACTED, redacted, shown_error
+from vllm_hicache.redaction import shown_error
 from vllm_hicache.storage_config import StorageConfig
 
 if TYPE_CHECKING:
     from vllm_hicache.config import HiCacheConfig
+    from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
     from vllm_hicache.l3.planner import L3Planner
     from vllm_hicache.scheduler.scheduler import HiCacheScheduler
 
 logger = logging.getLogger(__name__)
 
-# How long an attach or detach waits for transfers in flight to finish.
+# idle mode: how long an attach or detach waits for transfers in flight to finish.
 DRAIN_TIMEOUT_S = 10.0
 # How long the scheduler half waits for every rank's acknowledgement. Acks
 # come with the output of the step that carried the command, so this only
-# bounds a lost one.
+# bounds a lost one (or a backend whose client takes that long to build).
 ACK_TIMEOUT_S = 120.0
-BACKFILL_PAGES_PER_STEP = 256
-BACKFILL_MAX_INFLIGHT_PAGES = 1024
+
 
 @dataclass(frozen=True)
 class AttachSpec:
@@ -97,12 +125,21 @@ class AttachSpec:
     prefetch_policy_given: bool = False
     extra_config_given: bool = False
     write_policy: str | None = None
+    # What a replace does with the old backend's unwritten backups.
+    pending_backups: PendingBackups = DEFAULT_PENDING_BACKUPS
+
+
+@dataclass(frozen=True)
+class DetachSpec:
+    """A validated detach request (admin_api.parse_detach)."""
+
+    pending_backups: PendingBackups = DEFAULT_PENDING_BACKUPS
 
 
 @dataclass(eq=False)
 class _Command:
     kind: str  # "get" | "attach" | "detach" | "clear"
-    spec: AttachSpec | None
+    spec: AttachSpec | DetachSpec | None
     future: Future
     taken: bool = False
     drain_deadline: float | None = None
@@ -112,7 +149,7 @@ class _Command:
 class _Txn:
     """A command sent to the workers, waiting for every rank's ack."""
 
-    kind: str  # "attach" | "detach" | "rollback"
+    kind: str  # "prepare" | "commit" | "abort" | "detach"
     cmd: _Command
     cmd_id: int
     deadline: float
@@ -120,8 +157,16 @@ class _Txn:
     write_policy: str | None = None
     canary_pages: list[int] = field(default_factory=list)
     acks: dict[int, str] = field(default_factory=dict)
-    # rollback: the attach's failures, reported when the rollback ends.
+    # abort: the prepare's failures, reported when the abort ends.
     errors: dict[int, str] = field(default_factory=dict)
+    mode: PendingBackups = DEFAULT_PENDING_BACKUPS
+    # When the command was taken (monotonic s, on_step count), and what the
+    # switch retired (the answer reports both).
+    taken_s: float = 0.0
+    taken_step: int = 0
+    switched_step: int | None = None
+    retiring: RetiringPlanner | None = None
+    replaces: bool = False
 
 
 def _answer(cmd: _Command, status: int, body: dict[str, Any]) -> None:
@@ -141,29 +186,35 @@ class StorageControl:
         world_size: int,
         check_attachable: Callable[[], None] = lambda: None,
         waker: Callable[[], None] | None = None,
+        switch: StorageSwitch = StorageSwitch.LIVE,
     ) -> None:
         self._sched = sched
         self._build_planner = build_planner
         self.world_size = world_size
         self._check_attachable = check_attachable
         self.waker = waker
+        self.switch = switch
         self.drain_timeout_s = DRAIN_TIMEOUT_S
         self.ack_timeout_s = ACK_TIMEOUT_S
+        self.retire_drain_s = RETIRE_DRAIN_S
         self._lock = threading.Lock()  # guards _queue and _Command.taken
         self._queue: collections.deque[_Command] = collections.deque()
         self._txn: _Txn | None = None
         self._outbox: StorageCommand | None = None
         self._cmd_ids = itertools.count(1)
-        self._backfill: Backfill | None = None
-        self._backfill_paused = False
-        self._clearing: Future | None = None
-        # The last backfill's report, once it is done (GET).
-        self._backfill_done: dict[str, Any] | None = None
+        # Backend generations: the planner built at start is 0.
+        self._generations = itertools.count(1)
+        self._steps = 0  # on_step calls: the switch's bound is counted in them
+        self._backfill = BackfillRun()
+        self._clear = StorageClear()
+        # Replaced or detached backends finishing their ops (l3/retiring.py).
+        self._retiring: list[RetiringPlanner] = []
+        self._retired_last: dict[str, Any] | None = None
         self._closed = False
 
     # --- HTTP thread ---------------------------------------------------------
 
-    def submit(self, kind: str, spec: AttachSpec | None = None) -> Future:
+    def submit(self, kind: str, spec: AttachSpec | DetachSpec | None = None) -> Future:
         """Queue a command for the engine loop; its future gets the answer."""
         cmd = _Command(kind, spec, Future())
         with self._lock:
@@ -194,8 +245,11 @@ class StorageControl:
             self._closed = True
             queued, self._queue = list(self._queue), collections.deque()
         txn, self._txn = self._txn, None
-        if txn is not None and txn.kind == "attach":
+        if txn is not None and txn.planner is not self._sched.l3 and txn.kind != "detach":
             _close_quietly(txn.planner)  # never installed: nobody else closes it
+        for retiring in self._retiring:
+            _close_quietly(retiring.planner)
+        self._retiring = []
         for cmd in queued + ([txn.cmd] if txn is not None else []):
             _answer(cmd, 503, {"error": "the engine is shutting down"})
 
@@ -205,22 +259,31 @@ class StorageControl:
         """Keeps vLLM stepping (has_pending_push_work) while true."""
         if self._queue or self._txn is not None or self._outbox is not None:
             return True
-        planner = self._sched.l3
-        return (self._backfill is not None and planner is not None
-                and not self._backfill_paused and self._backfill.can_plan(planner))
+        now = time.monotonic()
+        if any(not r.done() and now < r.deadline + self.ack_timeout_s for r in self._retiring):
+            return True  # its acks and pins move on only while the engine steps
+        return self._backfill.can_plan(self._sched.l3)
 
     def scratch_pages(self) -> set[int]:
-        """L2 pages allocated for an attach's canary (integrity checks)."""
-        return set(self._txn.canary_pages) if self._txn is not None else set()
+        """L2 pages held outside the tree by the admin side: an attach's
+        canary, a retiring backend's open prefetches (integrity checks)."""
+        pages = set(self._txn.canary_pages) if self._txn is not None else set()
+        for retiring in self._retiring:
+            pages |= retiring.planner.prefetch_pages()
+        return pages
 
     def on_step(self, num_running: int) -> StorageCommand | None:
         """Run queued commands; called by build_connector_meta. Returns the
         command this step's metadata must carry to every rank, if any."""
+        self._steps += 1
+        self._reap()  # an old backend whose last op ended in a step with no report
         now = time.monotonic()
         if self._txn is not None and now > self._txn.deadline:
             self._ack_timeout(self._txn)
         if self._outbox is not None:
             out, self._outbox = self._outbox, None
+            if out.action == "commit":
+                self._swap()  # before anything of this step is planned
             return out
         while True:
             with self._lock:
@@ -233,19 +296,20 @@ class StorageControl:
             if cmd.kind in ("attach", "detach"):
                 if self._txn is not None:
                     return None  # one at a time: after the open one ends
-                verdict = self._idle_verdict(cmd, num_running, now)
-                if verdict == "wait":
-                    return None
+                if self.switch == StorageSwitch.IDLE:
+                    verdict = self._idle_verdict(cmd, num_running, now)
+                    if verdict == "wait":
+                        return None
             self._pop(cmd)
             if cmd.kind == "get":
                 _answer(cmd, 200, self.snapshot())
             elif cmd.kind == "clear":
-                self._clear(cmd)
+                self._clear.start(self._sched.l3, functools.partial(_answer, cmd))
             elif verdict is not None:
-                self._backfill_paused = False
+                self._backfill.paused = False
                 _answer(cmd, 409, verdict)
             else:
-                self._backfill_paused = False
+                self._backfill.paused = False
                 begun = self._begin(cmd, now)
                 if begun is not None:
                     return begun
@@ -261,7 +325,8 @@ class StorageControl:
         if num_requests:
             running = min(num_running, num_requests)
             return {"error": f"{cmd.kind} refused: the engine is not idle ({running} running, "
-                             f"{num_requests - running} waiting requests); retry when idle",
+                             f"{num_requests - running} waiting requests) and "
+                             "admin_storage_switch is idle; retry when idle",
                     "running": running, "waiting": num_requests - running}
         if cmd.kind == "attach" and sched.l3 is not None:
             return None  # a policy update, or refused in _begin: nothing to drain
@@ -272,7 +337,7 @@ class StorageControl:
             return None
         if cmd.drain_deadline is None:
             cmd.drain_deadline = now + self.drain_timeout_s
-            self._backfill_paused = cmd.kind == "detach"
+            self._backfill.paused = cmd.kind == "detach"
         if now < cmd.drain_deadline:
             return "wait"
         return {"error": f"{cmd.kind} refused: transfers still in flight after "
@@ -282,34 +347,46 @@ class StorageControl:
     def transfers(self) -> dict[str, int]:
         sched = self._sched
         counts = {**sched.live_transfers(), "prefetches": 0, "lookups": 0,
-                  "clear": int(self._clearing is not None and not self._clearing.done())}
+                  "clear": int(self._clear.running())}
         if sched.l3 is not None:
             inflight = sched.l3.in_flight()
             counts["prefetches"], counts["lookups"] = inflight["prefetches"], inflight["lookups"]
         return counts
 
-    # --- attach / detach ---------------------------------------------------
+    # --- attach / replace / detach -------------------------------------------
 
     def _begin(self, cmd: _Command, now: float) -> StorageCommand | None:
         if cmd.kind == "detach":
             return self._begin_detach(cmd, now)
         spec = cmd.spec
-        assert spec is not None
+        assert isinstance(spec, AttachSpec)
         sched = self._sched
         problem = self._write_policy_problem(spec.write_policy)
         if problem:
             _answer(cmd, 400, {"error": problem, "field": "write_policy"})
             return None
-        if sched.l3 is not None:
-            self._update_policies(cmd, spec, sched.l3)
+        current = sched.l3
+        if current is not None and self._same_backend(spec, current):
+            self._update_policies(cmd, spec, current)
+            return None
+        if current is not None and self.switch == StorageSwitch.IDLE:
+            _answer(cmd, 409, {"error": f"backend {current.cfg.backend!r} is attached with "
+                                        "other options and admin_storage_switch is idle; "
+                                        "detach it first (DELETE /hicache/storage-backend)",
+                               "field": "extra_config"})
+            return None
+        if current is None and spec.pending_backups == PendingBackups.MOVE:
+            _answer(cmd, 400, {"error": "pending_backups 'move' needs an attached backend to "
+                                        "move from", "field": "pending_backups"})
             return None
         try:
             self._check_attachable()
         except ValueError as err:
             _answer(cmd, 400, {"error": str(err), "field": "backend"})
             return None
-        cfg = dataclasses.replace(sched.cfg, storage=spec.storage)
+        cfg = dataclasses.replace(sched.cfg, storage=self._storage_of(spec, current))
         try:
+            sched.check_storage(cfg.storage)  # options this engine cannot serve
             planner = self._build_planner(cfg)
         except (ValueError, TypeError) as err:
             _answer(cmd, 400, {"error": shown_error(err), "field": "extra_config"})
@@ -323,13 +400,34 @@ class StorageControl:
             _close_quietly(planner)
             _answer(cmd, 503, {"error": "no free L2 page for the attach canary; retry"})
             return None
-        txn = _Txn("attach", cmd, next(self._cmd_ids), now + self.ack_timeout_s, planner,
-                   spec.write_policy, canary)
+        generation = next(self._generations)
+        planner.set_generation(generation)
+        txn = _Txn("prepare", cmd, next(self._cmd_ids), now + self.ack_timeout_s, planner,
+                   spec.write_policy, canary, mode=spec.pending_backups, taken_s=now,
+                   taken_step=self._steps, replaces=current is not None)
         self._txn = txn
-        logger.info("HiCache L3: attaching backend %r on %d rank(s)", spec.backend,
-                    self.world_size)
-        return StorageCommand(txn.cmd_id, "attach", dict(spec.storage_keys),
-                              (canary[0], canary[1]))
+        logger.info("HiCache L3: %s backend %r (generation %d) on %d rank(s)",
+                    "replacing the attached backend with" if current is not None else "attaching",
+                    spec.backend, generation, self.world_size)
+        return StorageCommand(txn.cmd_id, "prepare", dict(spec.storage_keys),
+                              (canary[0], canary[1]), generation=generation)
+
+    @staticmethod
+    def _same_backend(spec: AttachSpec, planner: L3Planner) -> bool:
+        """A PUT that names the attached backend and its options (or none):
+        a policy update, not a replace."""
+        current = planner.cfg
+        if spec.backend != current.backend:
+            return False
+        return not spec.extra_config_given or _same_store(current, spec.storage)
+
+    @staticmethod
+    def _storage_of(spec: AttachSpec, current: L3Planner | None) -> StorageConfig:
+        """The new backend's config; a replace keeps the prefetch policy the
+        PUT does not name."""
+        if current is None or spec.prefetch_policy_given:
+            return spec.storage
+        return dataclasses.replace(spec.storage, prefetch_policy=current.cfg.prefetch_policy)
 
     def _begin_detach(self, cmd: _Command, now: float) -> StorageCommand | None:
         sched = self._sched
@@ -337,27 +435,57 @@ class StorageControl:
         if planner is None:
             _answer(cmd, 200, dict(self.snapshot(), message="no storage backend was attached"))
             return None
+        spec = cmd.spec if isinstance(cmd.spec, DetachSpec) else DetachSpec()
+        if spec.pending_backups == PendingBackups.MOVE:
+            _answer(cmd, 400, {"error": "pending_backups 'move' needs a backend to move to; "
+                                        "a detach takes 'finish' or 'drop'",
+                               "field": "pending_backups"})
+            return None
         sched.detach_l3()  # nothing more is planned for L3 from this step on
-        self._backfill = None
-        self._txn = _Txn("detach", cmd, next(self._cmd_ids), now + self.ack_timeout_s, planner)
-        logger.info("HiCache L3: detaching backend %r", planner.cfg.backend)
-        return StorageCommand(self._txn.cmd_id, "detach")
+        self._backfill.stop()
+        retiring = self._retire(planner, spec.pending_backups, None)
+        self._txn = _Txn("detach", cmd, next(self._cmd_ids), now + self.ack_timeout_s, planner,
+                         mode=spec.pending_backups, taken_s=now, taken_step=self._steps,
+                         switched_step=self._steps, retiring=retiring)
+        logger.info("HiCache L3: detaching backend %r (pending backups: %s)",
+                    planner.cfg.backend, spec.pending_backups)
+        return StorageCommand(self._txn.cmd_id, "detach", generation=planner.generation,
+                              pending_backups=str(spec.pending_backups))
+
+    def _retire(self, planner: L3Planner, mode: PendingBackups,
+                successor: L3Planner | None) -> RetiringPlanner:
+        retiring = RetiringPlanner(planner, mode, successor, self.retire_drain_s)
+        self._retiring.append(retiring)
+        return retiring
+
+    def _swap(self) -> None:
+        """The commit's step: the new planner serves from here on."""
+        txn = self._txn
+        assert txn is not None and txn.kind == "commit" and txn.planner is not None
+        sched = self._sched
+        old = sched.detach_l3()
+        sched.attach_l3(txn.planner)
+        if old is not None:
+            txn.retiring = self._retire(old, txn.mode, txn.planner)
+        txn.switched_step = self._steps
+        self._set_write_policy(txn.write_policy)
+        self._backfill.restart(sched.tree, sched.num_pages)
+        logger.info("HiCache L3: backend %r (generation %d) serves from this step; backing up "
+                    "%d L2 pages to it", txn.planner.cfg.backend, txn.planner.generation,
+                    sched.tree.num_cached_pages)
 
     def _update_policies(self, cmd: _Command, spec: AttachSpec, planner: L3Planner) -> None:
         current = planner.cfg
-        if spec.backend != current.backend:
-            _answer(cmd, 409, {"error": f"backend {current.backend!r} is attached; detach it "
-                                        f"first (DELETE /hicache/storage-backend)"})
-            return
         new = spec.storage if spec.extra_config_given else current
-        if spec.extra_config_given and not _same_store(current, new):
-            _answer(cmd, 409, {"error": f"backend {current.backend!r} is attached with other "
-                                        "options; detach it first to change them",
-                               "field": "extra_config"})
-            return
         policy = spec.storage.prefetch_policy if spec.prefetch_policy_given \
             else current.prefetch_policy
-        planner.update_policy(dataclasses.replace(new, prefetch_policy=policy))
+        updated = dataclasses.replace(new, prefetch_policy=policy)
+        try:
+            self._sched.check_storage(updated)
+        except ValueError as err:
+            _answer(cmd, 400, {"error": str(err), "field": "prefetch_policy"})
+            return
+        planner.update_policy(updated)
         self._set_write_policy(spec.write_policy)
         logger.info("HiCache L3: backend %r policies updated: prefetch=%s write=%s",
                     current.backend, policy, self._sched.write_policy)
@@ -365,6 +493,11 @@ class StorageControl:
 
     def _write_policy_problem(self, name: str | None) -> str:
         current = self._sched.write_policy
+        if name is not None:
+            try:
+                self._sched.cfg.l2_admission(name)  # e.g. selective with another L2 rule
+            except ValueError as exc:
+                return str(exc)
         if name is None or name == current or WritePolicyName.WRITE_BACK not in (name, current):
             return ""
         return (f"hicache_write_policy cannot change from {current} to {name} at run time "
@@ -378,10 +511,26 @@ class StorageControl:
         """Worker acknowledgements (update_connector_output)."""
         txn = self._txn
         if txn is None or txn.cmd_id not in acks:
-            return
+            return  # a late ack of a command that ended (timed out)
         txn.acks.update(acks[txn.cmd_id])
         if len(txn.acks) >= self.world_size:
             self._finish(txn)
+
+    def on_worker_meta(self, meta: HiCacheWorkerMetadata) -> None:
+        """Every step's worker reports: the retiring backends complete their
+        own ops (their op ids only) and close once nothing of them is open."""
+        for retiring in list(self._retiring):
+            retiring.on_worker_meta(meta)
+        self._reap()
+
+    def _reap(self) -> None:
+        clearing = self._clear.clearing()
+        for retiring in [r for r in self._retiring if r.done() and r.planner is not clearing]:
+            self._retiring.remove(retiring)
+            self._retired_last = retiring.report()
+            _close_quietly(retiring.planner)
+            logger.info("HiCache L3: old backend %r (generation %d) closed: %s",
+                        retiring.planner.cfg.backend, retiring.generation, self._retired_last)
 
     def _ack_timeout(self, txn: _Txn) -> None:
         missing = sorted(set(range(self.world_size)) - set(txn.acks))
@@ -393,138 +542,80 @@ class StorageControl:
 
     def _finish(self, txn: _Txn) -> None:
         self._txn = None
-        sched = self._sched
         failed = {rank: err for rank, err in sorted(txn.acks.items()) if err}
-        if txn.kind == "attach":
+        if txn.kind == "prepare":
             # Every rank has run its canary: the scratch pages are free again.
-            sched.tree.free(txn.canary_pages)
-            if failed:
-                self._roll_back(txn, failed)
-                return
-            assert txn.planner is not None, "an attach transaction carries its planner"
-            sched.attach_l3(txn.planner)
-            self._set_write_policy(txn.write_policy)
-            self._backfill_done = None
-            self._backfill = Backfill(sched.tree.hot_nodes(), BACKFILL_PAGES_PER_STEP,
-                                      min(BACKFILL_MAX_INFLIGHT_PAGES,
-                                          max(1, sched.num_pages // 4)))
-            logger.info("HiCache L3: attached backend %r; backing up %d L2 pages",
-                        txn.planner.cfg.backend, sched.tree.num_cached_pages)
-            _answer(txn.cmd, 200, dict(self.snapshot(), message="attached"))
-        elif txn.kind == "rollback":
+            self._sched.tree.free(txn.canary_pages)
+            txn.canary_pages = []
+            self._next_phase(txn, "abort" if failed else "commit", failed)
+        elif txn.kind == "abort":
+            _close_quietly(txn.planner)
             logger.error("HiCache L3: attach failed on rank(s) %s; rolled back",
                          sorted(txn.errors))
+            serving = self._sched.l3
             body = {"error": "attach failed on rank(s) "
                              + ", ".join(f"{r}: {e}" for r, e in txn.errors.items())
-                             + "; rolled back (no rank has the backend attached)",
+                             + "; rolled back (" + (f"backend {serving.cfg.backend!r} still "
+                                                    "serves" if serving is not None else
+                                                    "no rank has the backend attached") + ")",
                     "ranks": {str(r): e for r, e in txn.errors.items()}}
             if failed:
                 body["rollback_errors"] = {str(r): e for r, e in failed.items()}
             _answer(txn.cmd, 500, body)
-        else:
-            assert txn.planner is not None, "a detach transaction carries its planner"
-            _close_quietly(txn.planner)
-            logger.info("HiCache L3: detached backend %r (stored objects are kept)",
-                        txn.planner.cfg.backend)
-            body = dict(self.snapshot(), message="detached")
+        else:  # commit, detach: the switch happened
+            assert txn.planner is not None, "a switch carries its planner"
+            message = ("detached" if txn.kind == "detach"
+                       else "replaced" if txn.replaces else "attached")
+            logger.info("HiCache L3: %s backend %r in %d step(s), %.3f s", message,
+                        txn.planner.cfg.backend, self._steps - txn.taken_step,
+                        time.monotonic() - txn.taken_s)
+            body = dict(self.snapshot(), message=message, switch={
+                "steps": (txn.switched_step or self._steps) - txn.taken_step,
+                "seconds": round(time.monotonic() - txn.taken_s, 3),
+                "pending_backups": (txn.retiring.report() if txn.retiring is not None
+                                    else {"pending_backups": str(txn.mode)}),
+            })
             if failed:
                 body["rank_errors"] = {str(r): e for r, e in failed.items()}
-            _answer(txn.cmd, 200, body)
+                logger.error("HiCache L3: %s failed on rank(s) %s: their jobs of this backend "
+                             "fail (misses, unwritten backups) until it is replaced or detached",
+                             txn.kind, sorted(failed))
+            _answer(txn.cmd, 500 if failed else 200, body)
+            self._reap()
 
-    def _roll_back(self, txn: _Txn, failed: dict[int, str]) -> None:
-        _close_quietly(txn.planner)
-        rollback = _Txn("rollback", txn.cmd, next(self._cmd_ids),
-                        time.monotonic() + self.ack_timeout_s, errors=failed)
-        self._txn = rollback
-        self._outbox = StorageCommand(rollback.cmd_id, "detach")
-
-    # --- clear ------------------------------------------------------------
-
-    def _clear(self, cmd: _Command) -> None:
-        planner = self._sched.l3
-        if planner is None:
-            _answer(cmd, 409, {"error": "no storage backend attached"})
-            return
-        if self._clearing is not None and not self._clearing.done():
-            _answer(cmd, 409, {"error": "a clear is already running"})
-            return
-        # Off the engine thread: the scheduler half never waits on I/O.
-        done: Future = Future()
-        name = planner.cfg.backend
-
-        def run() -> None:
-            try:
-                planner.clear_storage()
-            except Exception as err:  # noqa: BLE001 - reported in the answer
-                logger.warning("HiCache L3: clearing backend %r failed: %r", name, err)
-                _answer(cmd, 502, {"error": f"clearing {name!r} failed: {shown_error(err)}"})
-            else:
-                logger.info("HiCache L3: backend %r cleared", name)
-                _answer(cmd, 200, {"backend": name, "message": "cleared"})
-            finally:
-                done.set_result(None)
-
-        self._clearing = done
-        io_threads.named_thread(run, "hicache-clear").start()
+    def _next_phase(self, txn: _Txn, kind: str, failed: dict[int, str]) -> None:
+        """Send the prepare's commit (the swap happens as it is sent) or abort."""
+        assert txn.planner is not None
+        nxt = dataclasses.replace(txn, kind=kind, cmd_id=next(self._cmd_ids), acks={},
+                                  errors=failed, deadline=time.monotonic() + self.ack_timeout_s)
+        self._txn = nxt
+        self._outbox = StorageCommand(nxt.cmd_id, kind, generation=txn.planner.generation,
+                                      pending_backups=str(txn.mode))
 
     # --- backfill ----------------------------------------------------------
 
     def plan_backfill(self, step: int) -> list[BackupJob]:
-        """This step's share of the backfill, as one BACKUP op."""
-        backfill, planner = self._backfill, self._sched.l3
-        if backfill is None or planner is None or self._backfill_paused:
-            return []
-        budget = min(backfill.pages_per_step,
-                     backfill.max_inflight_pages - backfill.inflight_pages(planner))
-        ranges = backfill.next_ranges(self._sched.tree, budget) if budget > 0 else []
-        if not ranges:
-            if backfill.done(planner):
-                logger.info("HiCache L3: backup of pre-attach L2 done: %d pages in %.1f s",
-                            backfill.queued_pages, time.monotonic() - backfill.started)
-                self._backfill_done = backfill.report(planner)
-                self._backfill = None
-            return []
-        jobs = planner.plan_backup(ranges, step)
-        backfill.opened(jobs[0].op_id, sum(len(r.pages) for r in ranges))
-        return jobs
+        """Backups the admin side plans this step: the retiring backends'
+        flushes (``finish``), tagged with their generation, and the share of
+        the backfill, as one BACKUP op."""
+        jobs = [job for retiring in self._retiring for job in retiring.plan(step)]
+        return jobs + self._backfill.plan(self._sched.tree, self._sched.l3, step)
 
     # --- GET ------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """The admin API's view: backend, options (secrets redacted),
-        policies, L2 occupancy, counters. Engine thread only."""
-        sched = self._sched
-        planner = sched.l3
-        storage = planner.cfg if planner is not None else None
-        state = "attached" if planner is not None else "detached"
-        if self._txn is not None:
-            state = {"attach": "attaching", "detach": "detaching",
-                     "rollback": "rolling back"}[self._txn.kind]
-        body: dict[str, Any] = {
-            "backend": storage.backend if storage is not None else None,
-            "state": state,
-            "extra_config": _shown_options(storage) if storage is not None else None,
-            "prefetch_policy": storage.prefetch_policy if storage is not None else None,
-            "prefetch": None if storage is None else {
-                "threshold_tokens": storage.prefetch_threshold,
-                "timeout_base_s": storage.prefetch_timeout_base,
-                "timeout_per_ki_token_s": storage.prefetch_timeout_per_ki_token,
-                "timeout_max_s": storage.prefetch_timeout_max,
-            },
-            "write_policy": sched.write_policy,
-            "tiers": {"l2": sched.occupancy()},
-            "stats": sched.stats_snapshot(),
-            "l3_stats": None if planner is None else {
-                "prefetched_blocks": planner.prefetched_blocks,
-                "backed_up_blocks": planner.backed_up_blocks,
-                "skipped_lookups": planner.skipped_lookups,
-            },
-            "backfill": (self._backfill.report(planner) if self._backfill is not None
-                         else self._backfill_done),
-            "requests": sched.num_requests(),
-            "transfers": self.transfers(),
-        }
-        return body
+        """The admin API's view (admin/status.py). Engine thread only."""
+        txn = self._txn
+        planner = self._sched.l3
+        return status_report(self._sched, SwitchView(
+            state=switch_state(planner is not None, txn.kind if txn is not None else None,
+                               txn is not None and txn.replaces),
+            backfill=self._backfill.report(planner),
+            transfers=self.transfers(),
+            switch=self.switch,
+            retiring=[retiring.report() for retiring in self._retiring],
+            last_retired=self._retired_last,
+        ))
 
 
 def _same_store(a: StorageConfig, b: StorageConfig) -> bool:
@@ -532,14 +623,6 @@ def _same_store(a: StorageConfig, b: StorageConfig) -> bool:
     its one-way tag only)."""
     return (a.backend == b.backend and dict(a.backend_options) == dict(b.backend_options)
             and a.key_protection == b.key_protection and a.encrypt == b.encrypt)
-
-
-def _shown_options(storage: StorageConfig) -> dict[str, Any]:
-    shown = redacted(dict(storage.backend_options))
-    if getattr(storage, "secret", None) is not None:
-        shown["storage_secret"] = REDACTED
-        shown["storage_encrypt"] = bool(getattr(storage, "encrypt", False))
-    return shown
 
 
 def _close_quietly(planner: L3Planner | None) -> None:
@@ -570,4 +653,5 @@ def make_control(sched: HiCacheScheduler, geom, vllm_config) -> StorageControl:
         num_workers(vllm_config),
         lambda: check_shareable_hashes(vllm_config),
         engine_loop_waker(),
+        StorageSwitch(sched.cfg.admin_storage_switch),
     )

@@ -13,9 +13,17 @@ records here:
   ``BlockStored`` once every rank acknowledged a backup, for the blocks no
   rank failed to write (including objects L3 already had); ``BlockRemoved``
   when a prefetch found objects it had just looked up missing or invalid
-  (for the rest of that prefetch: unreachable by prefix from here). Backends
-  evict on their own (file LRU, Redis, Mooncake leases) without telling:
-  ``STORAGE`` entries are hints, as L3 itself is.
+  (for the rest of that prefetch: unreachable by prefix from here), and
+  exactly where the removal is known (l3/removals.py): the ``file``
+  backend's ``max_bytes`` LRU evicted an object, or Redis notified an
+  evicted or expired key. Where a store evicts without telling (Mooncake
+  leases, NIXL targets, Redis without keyspace notifications) ``STORAGE``
+  entries stay hints.
+- The node tier (medium ``NODE``, ``ownership`` = ``node_tier_name``):
+  ``BlockStored`` for blocks this instance sealed into the machine's shared
+  tier, ``BlockRemoved`` for blocks its stores evicted there; each change
+  once per machine, by the instance that made it (l3/node_events.py). One
+  event per block, without a parent hash.
 
 One event per contiguous run of blocks (parent hash, hashes, and the run's
 token ids where the request is at hand: stores; prefetch commits and
@@ -44,6 +52,8 @@ from typing import Any
 
 MEDIUM_L2 = "CPU"
 MEDIUM_L3 = "STORAGE"
+# The node tier (host memory shared by a machine's instances; l3/node_events.py).
+MEDIUM_NODE = "NODE"
 # Events waiting for take_events, at most.
 MAX_EVENTS = 16384
 

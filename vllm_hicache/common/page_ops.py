@@ -12,6 +12,9 @@ while a copy still reads or writes it. The terminal events:
 | STORE       | write: L1 -> L2 after step N's forward | step N acknowledged             |
 | WRITE_BACK  | write: L1 -> L2 before step N's forward | step N acknowledged            |
 | BACKUP      | read: L2 -> L3 after step N    | every rank acknowledged the backup      |
+| VICTIM      | none: keeps an L2 page L3 lacks | its BACKUP op opened, or L3 declined it |
+
+(VICTIM: exclusive L3, l3/victims.py.)
 
 "Step N acknowledged" is the scheduler building step N+1: every rank runs a
 step's copies in order (stores of N before anything of N+1, and L3 threads
@@ -44,6 +47,9 @@ class OpKind(enum.Enum):
     STORE = "store"
     WRITE_BACK = "write_back"
     BACKUP = "backup"
+    # Touches no bytes: keeps an L2 page that is not yet in L3 from being
+    # evicted (exclusive L3) until its BACKUP op holds it.
+    VICTIM = "victim"
 
 
 # Kinds whose pages are released when the next step is built.
@@ -109,7 +115,7 @@ class PageOps:
         op = PageOp(next(self._ids), kind, step, list(ranges), locks, req_id, tuple(l1_blocks))
         self._ops[op.op_id] = op
         self._num_live[kind] += 1
-        if kind != OpKind.BACKUP:
+        if kind not in (OpKind.BACKUP, OpKind.VICTIM):
             self._recent.setdefault(step, []).append(op)
         return op
 
@@ -185,8 +191,8 @@ class PageOps:
                                         f"and {op.op_id}")
                     writer[page] = op
         for op in self._ops.values():
-            if op.kind in _WRITES:
-                continue
+            if op.kind in _WRITES or op.kind == OpKind.VICTIM:
+                continue  # a VICTIM hold reads nothing
             for page in op.pages:
                 w = writer.get(page)
                 if w is None:

@@ -22,7 +22,7 @@ module: torch is imported only to time CUDA copies.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # --- the series ----------------------------------------------------------------
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class MetricSpec:
     name: str                 # Prometheus: "vllm:hicache_" + name (+ "_total" for counters)
-    kind: str                 # "counter" | "gauge"
+    kind: str                 # "counter" | "gauge" | "histogram" (of seconds)
     labels: tuple[str, ...]
     doc: str
 
@@ -50,28 +50,61 @@ METRICS: tuple[MetricSpec, ...] = (
                "L3 prefetches: started; revoked (L3 had enough blocks but no host pages could "
                "be had: in-flight cap or all pinned); incomplete (ended short: an object was "
                "missing, invalid or unreadable); timed_out (a request stopped waiting for its "
-               "lookup or prefetch at its deadline); backpressure (too many lookups queued: "
-               "the request was not looked up in L3)."),
+               "lookup or prefetch at its deadline); recompute_cheaper (prefetch_threshold="
+               "auto: the cost model expected vLLM to compute the hit sooner); backpressure "
+               "(too many lookups queued: the request was not looked up in L3); breaker (the "
+               "L3 circuit breaker was not closed: the request was not looked up in L3)."),
     MetricSpec("l3_errors", "counter", ("kind",),
                "L3 failures: lookup, read (a prefetch raised), write (a backup raised), "
                "invalid_object (an object did not verify: corrupt or foreign); read, write "
                "and invalid_object summed over TP ranks."),
+    MetricSpec("l3_removed_blocks", "counter", ("kind",),
+               "L3 removals known exactly (file max_bytes evictions, Redis keyspace "
+               "notifications): announced (blocks announced as BlockRemoved for STORAGE), "
+               "unmapped (objects of this engine whose block could not be named: keyed by a "
+               "storage secret and not recently written or read here)."),
     MetricSpec("store_skipped_blocks", "counter", ("tier", "reason"),
                "Blocks not stored: L2 pinned (no unpinned page to evict), L2 request_limit "
                "(beyond the request's max_offload_tokens), L3 rejected (the backend refused "
                "the write: full, or an error), L3 present (L3 already had the object), L3 "
                "backlog (a deferred backup dropped from the full backlog as the least likely "
-               "to be reused), L3 evicted (a deferred backup whose page left L2 first). L3 "
+               "to be reused), L3 evicted (a deferred backup whose page left L2 first), L3 "
+               "breaker (not backed up, or dropped from the backlog, while the L3 circuit "
+               "breaker was not closed), L3 write_budget / daily_budget (over "
+               "l3_write_budget_bytes_per_s or _per_day: skipped, least valuable first). L3 "
                "rejected and present count objects, summed over TP ranks (each rank writes "
                "its own)."),
+    MetricSpec("admission_declined_blocks", "counter", ("tier", "rule"),
+               "Blocks a boundary's admission rule kept out of a tier, by the rule's kind "
+               "(hits, value): L2 (hicache_l2_admission, or write_through_selective: computed "
+               "blocks not stored), L3 (hicache_l3_admission; inclusive mode: blocks L2 stored "
+               "that were not backed up then; exclusive mode: blocks L2 evicted unwritten)."),
+    MetricSpec("l3_admitted_late_blocks", "counter", (),
+               "Inclusive L3 mode: blocks hicache_l3_admission declined when L2 stored them "
+               "that a later hit made it admit (backed up the next step if their page is "
+               "still in L2)."),
+    MetricSpec("l3_exclusive_blocks", "counter", ("event",),
+               "Exclusive L3 mode: victim_written (held blocks written to L3 as L2 needed "
+               "their room, or at a graceful stop; after the write budget), promoted (blocks "
+               "an L3 prefetch brought into L2; they stay in L3, where another instance "
+               "sharing the store may need them, so none leaves it)."),
+    MetricSpec("l3_write_budget_bytes", "counter", ("outcome",),
+               "L2 -> L3 backups under l3_write_budget_*, in L3 bytes (all ranks' objects): "
+               "written (backups opened within the budget), write_budget / daily_budget "
+               "(blocks that limit skipped: store_skipped_blocks{tier=\"L3\"} in bytes)."),
     MetricSpec("backup_deferred_blocks", "counter", ("event",),
                "L2 -> L3 backups over the in-flight bound: deferred (queued in the backlog "
                "instead of written now), flushed (written later, once L3 caught up)."),
     MetricSpec("load_decisions", "counter", ("tier", "decision"),
                "Prompt tokens of hits by what hicache_load_decision did with them: L2 loaded "
-               "or declined (vLLM recomputed them: loading was expected to be slower); L3 "
+               "or declined (vLLM recomputed them: loading was expected to be slower); node "
+               "likewise, for node-tier hits loaded into vLLM's cache directly; L3 "
                "loaded (the request waited for its prefetch) or declined (it computed them "
                "instead; the prefetch still ran, for later requests)."),
+    MetricSpec("l3_breaker_trips", "counter", (),
+               "Times the L3 circuit breaker tripped: the store failed its health checks "
+               "(errors, or answers over l3_breaker_latency_budget_ms) for "
+               "l3_breaker_window_s, and HiCache stopped using it."),
     MetricSpec("l2_evicted_pages", "counter", (), "L2 pages evicted to make room."),
     MetricSpec("load_failed_blocks", "counter", (),
                "Blocks whose load from L2 failed on some rank (vLLM recomputed them)."),
@@ -87,11 +120,47 @@ METRICS: tuple[MetricSpec, ...] = (
                "Bytes the L3 store holds, where the backend knows (file with max_bytes)."),
     MetricSpec("l3_capacity_bytes", "gauge", (),
                "L3 capacity in bytes, where the backend has one (file with max_bytes)."),
+    MetricSpec("l3_breaker_state", "gauge", (),
+               "The L3 circuit breaker: 0 closed (L3 in use; also with the breaker off), 1 "
+               "tripped (L3 not used: served from L1/L2, backups skipped), 2 probing (not "
+               "used; a health check decides whether to resume)."),
+    MetricSpec("node_tier_used_bytes", "gauge", (),
+               "Bytes of sealed pages in the node tier (shared by every instance on the "
+               "machine: the same value on each)."),
+    MetricSpec("node_tier_capacity_bytes", "gauge", (), "The node tier's size (node_tier_bytes)."),
+    MetricSpec("node_tier_hit_tokens", "counter", (),
+               "Of hit_tokens{tier=\"L3\"}, the tokens this instance's L3 lookup found in the "
+               "node tier (the machine's shared host memory), not in the remote store behind it "
+               "(L3 minus these: the remote store's)."),
+    MetricSpec("node_tier_stored_pages", "counter", (),
+               "Pages this instance's backups sealed into the node tier (pages the tier had "
+               "already are not counted; the L3 health check's probes are), summed over TP "
+               "ranks."),
+    MetricSpec("node_tier_promoted_pages", "counter", (),
+               "Pages this instance read from the remote store and sealed into the node tier, "
+               "so that the machine's next lookup finds them there; summed over TP ranks."),
+    MetricSpec("node_tier_evicted_pages", "counter", (),
+               "Node tier pages evicted to make room for this instance's stores, summed over "
+               "TP ranks: summed over the machine's instances, the tier's evictions (each "
+               "counted once)."),
+    MetricSpec("node_tier_direct_loaded_pages", "counter", (),
+               "Pages loaded from the node tier straight into vLLM's cache (no private L2 "
+               "page in between), summed over TP ranks; a node-tier hit staged through L2 "
+               "instead is not counted."),
+    MetricSpec("node_tier_members", "gauge", (),
+               "Processes joined to the node tier (each instance's scheduler and workers)."),
     MetricSpec("backup_backlog_blocks", "gauge", (),
                "Deferred L2 -> L3 backups waiting in the backlog."),
     MetricSpec("estimated_bandwidth_bytes_per_second", "gauge", ("tier",),
                "hicache_load_decision=auto: the bandwidth one rank is expected to load a hit "
                "at: L2 (L2 -> L1) or L3 (L3 -> L2); absent until measured."),
+    MetricSpec("l3_hit_stage_seconds", "histogram", ("stage",),
+               "Where the wait of a request whose hit its own L3 prefetch brought in went, per "
+               "request and stage: lookup, lookup_seen (the answer waiting for the next step), "
+               "queue (for an L3 thread), io (backend reads), seal_check (opening the objects), "
+               "step_wait (the job's trip to the workers and the report's back), l2_insert, "
+               "load_wait (for the request to be scheduled), load (L2 -> L1). All but load sum "
+               "to the request's wait from its lookup to its admission (l3/hit_stages.py)."),
     MetricSpec("estimated_prefill_tokens_per_second", "gauge", (),
                "hicache_load_decision=auto: the engine's prefill rate, as its prefill model "
                "predicts it for a 1024-token prompt; absent until measured."),
@@ -131,12 +200,16 @@ class HiCacheStats:
     # own L3 prefetch brought in.
     hit_tokens_l2: int = 0
     hit_tokens_l3: int = 0
+    # Of hit_tokens_l3, those the request's lookup found in the node tier.
+    hit_tokens_node: int = 0
     # Blocks copied L1 -> L2 (write-through and write-back).
     stored_blocks: int = 0
     # Blocks not stored because no page could be freed (all pinned).
     store_skipped_blocks: int = 0
     # Blocks not stored because of the request's max_offload_tokens.
     store_limited_blocks: int = 0
+    # Blocks the L1 -> L2 admission rule did not store, by the rule's kind.
+    store_declined_blocks: dict[str, int] = field(default_factory=dict)
     # L2 pages evicted to make room.
     evicted_pages: int = 0
     # Blocks the workers reported as failed loads (vLLM recomputes them).
@@ -163,6 +236,11 @@ class HiCacheStats:
     def record_store_limited(self, num_blocks: int) -> None:
         self.store_limited_blocks += num_blocks
 
+    def record_store_declined(self, rule_kind: str, num_blocks: int) -> None:
+        if num_blocks:
+            declined = self.store_declined_blocks
+            declined[rule_kind] = declined.get(rule_kind, 0) + num_blocks
+
     def record_evict(self, num_pages: int) -> None:
         self.evicted_pages += num_pages
 
@@ -180,11 +258,14 @@ class HiCacheStats:
         return {
             key("hit_tokens", "L2"): self.hit_tokens_l2,
             key("hit_tokens", "L3"): self.hit_tokens_l3,
+            key("node_tier_hit_tokens"): self.hit_tokens_node,
             key("store_skipped_blocks", "L2", "pinned"): self.store_skipped_blocks,
             key("store_skipped_blocks", "L2", "request_limit"): self.store_limited_blocks,
             key("l2_evicted_pages"): self.evicted_pages,
             key("load_failed_blocks"): self.load_error_blocks,
             key("request_param_errors"): self.request_param_errors,
+            **{key("admission_declined_blocks", "L2", kind): n
+               for kind, n in self.store_declined_blocks.items()},
         }
 
 
@@ -195,16 +276,48 @@ _PLANNER_SAMPLES = {
     "prefetch_incomplete": key("prefetches", "incomplete"),
     "prefetch_timed_out": key("prefetches", "timed_out"),
     "skipped_lookups": key("prefetches", "backpressure"),
+    "prefetch_not_worth": key("prefetches", "recompute_cheaper"),
     "lookup_errors": key("l3_errors", "lookup"),
     "backup_deferred": key("backup_deferred_blocks", "deferred"),
     "backup_flushed": key("backup_deferred_blocks", "flushed"),
     "backup_dropped": key("store_skipped_blocks", "L3", "backlog"),
     "backup_evicted": key("store_skipped_blocks", "L3", "evicted"),
+    "breaker_skipped_lookups": key("prefetches", "breaker"),
+    "breaker_skipped_blocks": key("store_skipped_blocks", "L3", "breaker"),
+    "breaker_trips": key("l3_breaker_trips"),
+    "budget_skipped_bandwidth": key("store_skipped_blocks", "L3", "write_budget"),
+    "budget_skipped_day": key("store_skipped_blocks", "L3", "daily_budget"),
+    "l3_removed_blocks": key("l3_removed_blocks", "announced"),
+    "l3_removed_unmapped": key("l3_removed_blocks", "unmapped"),
 }
 
 
 def planner_samples(planner) -> dict[str, float]:
-    return {sample: getattr(planner, attr, 0) for attr, sample in _PLANNER_SAMPLES.items()}
+    out = {sample: getattr(planner, attr, 0) for attr, sample in _PLANNER_SAMPLES.items()}
+    # (The node tier's page counts come from common/node_counts.py's tallies.)
+    out.update(tiering_samples(planner))
+    return out
+
+
+def tiering_samples(planner) -> dict[str, float]:
+    """The L2 -> L3 boundary's admission, exclusive mode and write budget
+    (l3/admission.py, l3/victims.py, l3/backup_budget.py), where the planner
+    has them (a planner without an admission or budget: none)."""
+    out: dict[str, float] = {}
+    admission = getattr(planner, "admission", None)
+    if admission is not None:
+        out[key("admission_declined_blocks", "L3", str(admission.rule.kind))] = \
+            admission.num_declined
+        out[key("l3_admitted_late_blocks")] = admission.num_admitted_later
+    if getattr(planner, "victims", None) is not None:
+        out[key("l3_exclusive_blocks", "victim_written")] = planner.victim_written_blocks
+        out[key("l3_exclusive_blocks", "promoted")] = planner.prefetched_blocks
+    budget = getattr(planner, "budget", None)
+    if budget is not None and budget.enabled:
+        out[key("l3_write_budget_bytes", "written")] = budget.bucket.spent_bytes
+        for reason, blocks in budget.skipped.items():
+            out[key("l3_write_budget_bytes", reason)] = blocks * budget.block_bytes
+    return out
 
 
 class Deltas:
@@ -281,14 +394,25 @@ class WorkerCounters:
         return out
 
 
+def overlap_blocks(span: tuple[int, int] | None, start: int, end: int) -> int:
+    """How many blocks of [start, end) lie in ``span`` ([lo, hi); None: none)."""
+    return 0 if span is None else max(0, min(end, span[1]) - max(start, span[0]))
+
+
 def l3_usage_gauges(backend) -> dict[str, float]:
     """L3 occupancy, where the backend keeps count: the ``file`` backend
     with ``max_bytes`` (its shared usage counter, as of this process's last
-    write). Others: nothing (no series)."""
-    capacity = getattr(getattr(backend, "config", None), "max_bytes", 0)
-    if not isinstance(capacity, int) or capacity <= 0:
-        return {}
-    used = backend.stats().get("usage_bytes")
-    if used is None:
-        return {}
-    return {key("l3_used_bytes"): used, key("l3_capacity_bytes"): capacity}
+    write), also behind a node tier; and the node tier's own. Others:
+    nothing (no series)."""
+    stats = backend.stats()
+    out = {key(f"node_tier_{name}"): stats[f"node_tier_{stat}"]
+           for name, stat in (("used_bytes", "occupancy_bytes"),
+                              ("capacity_bytes", "capacity_bytes"), ("members", "members"))
+           if f"node_tier_{stat}" in stats}
+    # A node tier chains the remote store as ``remote`` (storage/node_chain.py).
+    store = getattr(backend, "remote", backend) or backend
+    capacity = getattr(getattr(store, "config", None), "max_bytes", 0)
+    used = stats.get("usage_bytes")
+    if isinstance(capacity, int) and capacity > 0 and used is not None:
+        out.update({key("l3_used_bytes"): used, key("l3_capacity_bytes"): capacity})
+    return out

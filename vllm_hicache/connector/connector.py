@@ -9,7 +9,7 @@ it runs on the half that owns it. Use with ``kv_connector="HiCacheConnector"``
 Start-up logging: the scheduler half (one per engine) logs one INFO line with
 the resolved configuration (``start_line``: bytes and pages per tier, layout,
 policies, L3 backend with secrets redacted) and one warning per rewrite
-``config.finish_config`` returns. Worker halves finish the same options from
+``config_finish.finish_config`` returns. Worker halves finish the same options from
 the same input, model and platform, so they get the same rewrites and do not
 repeat them.
 """
@@ -35,17 +35,22 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_hicache.admin.api import start_admin_api
 from vllm_hicache.admin.storage_control import make_control
-from vllm_hicache.config import EngineFacts, HiCacheConfig, LoadMode, finish_config
+from vllm_hicache.config import HiCacheConfig, LoadMode
+from vllm_hicache.config_finish import EngineFacts, finish_config
 from vllm_hicache.connector.geometry import KVGeometry, geometry_from
 from vllm_hicache.connector.kv_events import KVEventLog, kv_events_enabled
 from vllm_hicache.connector.metadata import HiCacheMetadata
 from vllm_hicache.connector.metrics import HiCacheKVConnectorStats, HiCachePromMetrics
+from vllm_hicache.connector.vllm_compat import engine_stop_flag, shutdown_timeout_s
 from vllm_hicache.connector.worker import HiCacheWorker
 from vllm_hicache.kernels import kernel_io_missing
 from vllm_hicache.l3.setup import build_planner, check_shareable_hashes
+from vllm_hicache.l3.worker_io import SHUTDOWN_DRAIN_S
 from vllm_hicache.logs import log_through_vllm
 from vllm_hicache.policy.prefetch import PrefetchPolicyName
+from vllm_hicache.policy.stop_budget import stop_budget
 from vllm_hicache.redaction import redacted
+from vllm_hicache.scheduler.graceful_stop import GracefulStop
 from vllm_hicache.scheduler.scheduler import HiCacheScheduler
 
 if TYPE_CHECKING:
@@ -166,6 +171,14 @@ def start_line(cfg: HiCacheConfig, geom: KVGeometry, num_pages: int, local_ranks
     return "HiCache: " + "; ".join(parts)
 
 
+# The start warning where a stop cannot write anything out (policy/stop_budget.py).
+STOP_LOSES_BACKUPS = (
+    "vLLM's --shutdown-timeout is 0 (its default): on SIGTERM or SIGINT vLLM kills EngineCore "
+    "at once, so L3 backups still queued and deferred (pages only L2 holds) are lost, and a "
+    "restarted or peer server misses them in L3; start with --shutdown-timeout N (seconds, "
+    "e.g. 30) to write them out first, the most valuable first, within N seconds")
+
+
 def engine_facts(geom: KVGeometry, kv_role: str | None) -> EngineFacts:
     """What ``finish_config`` needs from vLLM and the platform, as plain values.
 
@@ -211,6 +224,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.events = KVEventLog(kv_events_enabled(vllm_config), geom.block_size)
             logger.info("%s", start_line(cfg, geom, self.scheduler.num_pages,
                                          parallel.local_world_size))
+            budget = stop_budget(shutdown_timeout_s(vllm_config), SHUTDOWN_DRAIN_S)
+            self.scheduler.graceful_stop = GracefulStop(budget, engine_stop_flag())
+            if cfg.storage is not None and not budget.graceful:
+                logger.warning("HiCache: %s", STOP_LOSES_BACKUPS)
             # Runtime attach/detach of L3 (admin/storage_control.py, admin/api.py).
             control = make_control(self.scheduler, geom, vllm_config)
             self.scheduler.install_commands(control)
@@ -303,8 +320,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if data is None:
             return HiCacheKVConnectorStats()
         # A copy: vLLM's log-interval accumulator adds into it in place.
-        return HiCacheKVConnectorStats(data={"counters": dict(data.get("counters") or {}),
-                                             "gauges": dict(data.get("gauges") or {})})
+        return HiCacheKVConnectorStats(data={
+            "counters": dict(data.get("counters") or {}),
+            "gauges": dict(data.get("gauges") or {}),
+            "observations": {k: list(v) for k, v in (data.get("observations") or {}).items()}})
 
     @classmethod
     def build_prom_metrics(

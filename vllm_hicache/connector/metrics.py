@@ -2,11 +2,13 @@
 
 ``HiCacheKVConnectorStats`` is the ``KVConnectorStats`` both halves return
 from ``get_kv_connector_stats``: ``data = {"counters": {sample: increment},
-"gauges": {sample: value}}``, plain dicts of numbers, so it crosses every
-process boundary vLLM sends it over. ``aggregate`` adds counters (the TP
-ranks of one step, then the steps of one log interval) and keeps the latest
-gauges; ``reduce`` makes the fields of vLLM's periodic "KV Transfer metrics"
-log line.
+"gauges": {sample: value}, "observations": {sample: [seconds, ...]}}``, plain
+dicts of numbers and lists of them, so it crosses every process boundary
+vLLM sends it over. ``aggregate`` adds counters (the TP ranks of one step,
+then the steps of one log interval), keeps the latest gauges and joins the
+histograms' observations (at most ``MAX_OBSERVATIONS`` per sample: a
+sample); ``reduce`` makes the fields of vLLM's periodic "KV Transfer
+metrics" log line.
 
 ``HiCachePromMetrics`` is what ``build_prom_metrics`` returns in the API
 server: one Prometheus series per ``stats.METRICS`` entry, named
@@ -32,6 +34,11 @@ from vllm_hicache.common.stats import METRICS, TRANSFER_OPS, key, split_key
 logger = logging.getLogger(__name__)
 
 PREFIX = "vllm:hicache_"
+# Observations one histogram sample keeps between two reports, at most.
+MAX_OBSERVATIONS = 4096
+# Buckets of the seconds histograms: 0.5 ms to 10 s.
+SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                   5.0, 10.0)
 
 
 @dataclass
@@ -39,13 +46,16 @@ class HiCacheKVConnectorStats(KVConnectorStats):
     def __post_init__(self) -> None:
         self.data.setdefault("counters", {})
         self.data.setdefault("gauges", {})
+        self.data.setdefault("observations", {})
 
     @classmethod
-    def of(cls, counters: dict[str, float], gauges: dict[str, float]
+    def of(cls, counters: dict[str, float], gauges: dict[str, float],
+           observations: dict[str, list[float]] | None = None
            ) -> HiCacheKVConnectorStats | None:
-        if not counters and not gauges:
+        if not counters and not gauges and not observations:
             return None
-        return cls(data={"counters": dict(counters), "gauges": dict(gauges)})
+        return cls(data={"counters": dict(counters), "gauges": dict(gauges),
+                         "observations": {k: list(v) for k, v in (observations or {}).items()}})
 
     @property
     def counters(self) -> dict[str, float]:
@@ -55,8 +65,13 @@ class HiCacheKVConnectorStats(KVConnectorStats):
     def gauges(self) -> dict[str, float]:
         return self.data["gauges"]
 
+    @property
+    def observations(self) -> dict[str, list[float]]:
+        return self.data["observations"]
+
     def reset(self) -> None:
-        self.data: dict[str, dict[str, float]] = {"counters": {}, "gauges": {}}
+        self.data: dict[str, dict[str, Any]] = {"counters": {}, "gauges": {},
+                                                "observations": {}}
 
     def aggregate(self, other: KVConnectorStats) -> HiCacheKVConnectorStats:
         if other is self or other.is_empty():
@@ -66,10 +81,14 @@ class HiCacheKVConnectorStats(KVConnectorStats):
         for k, v in other.counters.items():
             counters[k] = counters.get(k, 0) + v
         self.gauges.update(other.gauges)
+        observations = self.observations
+        for k, values in other.observations.items():
+            mine = observations.setdefault(k, [])
+            mine += values[: max(0, MAX_OBSERVATIONS - len(mine))]
         return self
 
     def is_empty(self) -> bool:
-        return not self.counters and not self.gauges
+        return not self.counters and not self.gauges and not self.observations
 
     def reduce(self) -> dict[str, int | float]:
         counters = self.counters
@@ -90,6 +109,10 @@ class HiCacheKVConnectorStats(KVConnectorStats):
                 out[sample.replace(".", "_")] = int(value)
         for sample, value in self.gauges.items():
             out[sample] = int(value)
+        for sample, values in self.observations.items():
+            if values:  # the mean, in ms, of this log interval
+                out[sample.replace(".", "_") + "_mean_ms"] = round(
+                    1000 * sum(values) / len(values), 2)
         return out
 
 
@@ -104,6 +127,9 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
             if spec.kind == "gauge":
                 self._families[spec.name] = self._gauge_cls(multiprocess_mode="mostrecent",
                                                              **kwargs)
+            elif spec.kind == "histogram":
+                self._families[spec.name] = self._histogram_cls(buckets=SECONDS_BUCKETS,
+                                                                 **kwargs)
             else:
                 self._families[spec.name] = self._counter_cls(**kwargs)
         # (engine, sample) -> the labelled child
@@ -128,6 +154,11 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
             child = self._safe_child(engine_idx, sample)
             if child is not None:
                 child.set(value)
+        for sample, values in (transfer_stats_data.get("observations") or {}).items():
+            child = self._safe_child(engine_idx, sample)
+            if child is not None:
+                for value in values:
+                    child.observe(value)
 
     def _safe_child(self, engine_idx: int, sample: str):
         try:

@@ -44,21 +44,76 @@ def engine_loop_waker() -> Callable[[], None] | None:
     """
     try:
         from vllm.v1.engine import EngineCoreRequestType
-        from vllm.v1.engine.core import EngineCoreProc
         wakeup = EngineCoreRequestType.WAKEUP
     except (ImportError, AttributeError):
         logger.debug("vLLM has no EngineCoreProc/WAKEUP: admin commands run on the next step")
+        return None
+    owner = _engine_core_proc_on_stack()
+    if owner is None:
+        return None
+    queue = getattr(owner, "input_queue", None)
+    if queue is None or not hasattr(queue, "put_nowait"):
+        return None
+    return lambda: queue.put_nowait((wakeup, None))
+
+
+def _engine_core_proc_on_stack() -> object | None:
+    """The ``EngineCoreProc`` whose construction is on the call stack, if any
+    (see ``engine_loop_waker`` for why it is there)."""
+    try:
+        from vllm.v1.engine.core import EngineCoreProc
+    except ImportError:
         return None
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, EngineCoreProc):
-            queue = getattr(owner, "input_queue", None)
-            if queue is None or not hasattr(queue, "put_nowait"):
-                return None
-            return lambda: queue.put_nowait((wakeup, None))
+            return owner
         frame = frame.f_back
     return None
+
+
+def engine_stop_flag() -> Callable[[], bool] | None:
+    """A callable that says whether this process's EngineCore has been asked
+    to stop (SIGTERM or SIGINT), or None where there is no EngineCore
+    process (an in-process engine, a test harness).
+
+    Why: on a stop, vLLM's EngineCore keeps stepping while ``has_work()``
+    (which includes the connector's ``has_pending_push_work``) until its
+    parent kills it ``--shutdown-timeout`` seconds after the signal, and
+    tells the connector nothing. The scheduler half needs to know the stop
+    began to write its queued L3 backups out before that kill and to count
+    what did not fit (scheduler/graceful_stop.py). vLLM's own signal handler
+    (``run_engine_core``) sets ``EngineCoreProc.shutdown_state`` away from
+    ``EngineShutdownState.RUNNING``; the flag reads it. Call it from the
+    connector's constructor (the EngineCoreProc is found on the stack, as in
+    ``engine_loop_waker``).
+
+    Breaks if vLLM renames ``shutdown_state`` or ``EngineShutdownState
+    .RUNNING``, or builds the scheduler outside EngineCoreProc construction:
+    then None, and a stop writes out only what the workers' shutdown drain
+    finishes; tests/e2e/test_graceful_stop.py notices (no stop line).
+    """
+    try:
+        from vllm.v1.engine.core import EngineShutdownState
+        running = EngineShutdownState.RUNNING
+    except (ImportError, AttributeError):
+        return None
+    owner = _engine_core_proc_on_stack()
+    if owner is None or not hasattr(owner, "shutdown_state"):
+        return None
+    return lambda: owner.shutdown_state != running
+
+
+def shutdown_timeout_s(vllm_config) -> int:
+    """vLLM's ``--shutdown-timeout`` (``VllmConfig.shutdown_timeout``): how
+    long a stopping EngineCore may keep stepping before its parent kills it;
+    0 (vLLM's default) kills it at once.
+
+    Breaks if vLLM renames the field: then 0, the most cautious reading (the
+    start warning says a stop loses the queued backups).
+    """
+    return int(getattr(vllm_config, "shutdown_timeout", 0) or 0)
 
 
 # --- vLLM's BlockPool (the L1 prefix cache), handed over by bind_gpu_block_pool
@@ -123,6 +178,17 @@ def l1_has_block(pool, block_hash: bytes) -> bool:
     wrong); tests/l3/test_planner.py notices.
     """
     return pool.get_cached_block(block_hash, [0]) is not None
+
+
+def l1_block_id(pool, block_hash: bytes) -> int | None:
+    """The id of the L1 block caching this block hash (first KV cache
+    group), None if L1 does not have it.
+
+    Breaks as ``l1_has_block``; then a graceful stop under write-back copies
+    nothing from L1 (tests/scheduler/test_graceful_stop.py notices).
+    """
+    blocks = pool.get_cached_block(block_hash, [0])
+    return blocks[0].block_id if blocks else None
 
 
 def drop_l1_blocks(pool, block_ids: set[int]) -> None:

@@ -11,11 +11,16 @@ maps vLLM's hooks onto its calls, handing it ``HiCacheMetadata``'s jobs
 attach/detach commands around it:
 
     handle_preemptions   -> before_forward(write-back copies)
-    bind                 -> storage command, L3 prefetches, begin_step(loads)
+    bind                 -> storage command, L3 prefetches, begin_step(loads and
+                            the same-step loads read in time: l3/same_step.py)
     start_load_kv        -> start_loads(async loads)
     wait_for_layer_load  -> wait_layer(layer index)
     wait_for_save        -> after_forward(stores), then L3 backups
     clear                -> end_step()
+
+Before each report (``worker_meta``) it waits, bounded by the step's
+``prefetch_wait_s``, for its open prefetches (the scheduler half gives a step
+a budget only while a request waits on one: l3/report_wait.py).
 
 The ordering and failure invariants are stated in ``datapath/pipeline.py``.
 L3 threads order themselves after the copies with ``ready_event``; a backup
@@ -32,6 +37,7 @@ import torch
 
 from vllm_hicache import io_threads
 from vllm_hicache.common.jobs import NO_COPY, BackupJob, StorageCommand
+from vllm_hicache.common.node_counts import ZERO, NodeCountTally, NodeTierCounts
 from vllm_hicache.common.stats import WorkerCounters, key, l3_usage_gauges
 from vllm_hicache.config import HiCacheConfig, resolve_conflicts
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
@@ -43,7 +49,9 @@ from vllm_hicache.datapath.grouped import block_view
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor
 from vllm_hicache.kernels.io_backends import IOBackend
-from vllm_hicache.l3.attach_worker import run_storage_command
+from vllm_hicache.l3.attach_worker import RankL3
+from vllm_hicache.l3.node_load_queue import NodeLoadQueue, node_load_queue
+from vllm_hicache.l3.same_step import split_loads
 from vllm_hicache.l3.setup import build_storage_io, worker_id
 from vllm_hicache.l3.worker_io import StorageIO
 from vllm_hicache.storage_config import StorageConfig
@@ -67,13 +75,17 @@ class HiCacheWorker:
         self._layer_index = {name: i for i, name in enumerate(geom.layer_names)}
         self._meta: HiCacheMetadata | None = None
         self._evicted_for: HiCacheMetadata | None = None
-        self._io: StorageIO | None = None
-        # Acks of admin attach/detach commands (admin/storage_control.py) not yet reported.
-        self._storage_acks: dict[int, dict[int, str]] = {}
+        # This rank's L3 clients: the serving one, and those an admin
+        # replace or detach staged or retired (l3/attach_worker.py).
+        # (Its worker id is known once the ranks are: register_kv_caches.)
+        self._rank_l3 = RankL3(None, cfg.storage, 0)
         # Metrics (stats.py): bytes and seconds of this rank's copies.
         self.counters = WorkerCounters()
         self.clock = CopyClock(self.counters)
         self._l3_gauges_at = 0.0
+        # The node tier's page counts: one tally for the metrics and the
+        # reports (common/node_counts.py).
+        self._node_counts = NodeCountTally()
         # Backup op -> hashes this rank dropped (garbage pages), not yet reported.
         self._backup_failures: dict[int, set[bytes]] = {}
         # Hybrid models (several KV cache groups): copies name group block ids
@@ -81,6 +93,10 @@ class HiCacheWorker:
         self._hybrid = geom.num_groups > 1
         self._async_blocks: dict[str, frozenset[int]] = {}
         self._failed_recving: set[str] = set()
+        # Node-tier hits loaded into L1 directly (l3/node_load_queue.py);
+        # None without a node tier. Blocks they did not load, not yet reported.
+        self._node_loads: NodeLoadQueue | None = None
+        self._node_load_errors: set[int] = set()
 
     @property
     def pool(self) -> HostKVPool | None:
@@ -100,11 +116,10 @@ class HiCacheWorker:
             raise RuntimeError("KV caches are not registered yet")
         return self.data
 
-    def _l3(self) -> StorageIO:
-        """This rank's L3 client: the scheduler plans L3 jobs only while one is attached."""
-        if self._io is None:
-            raise RuntimeError("an L3 job reached a worker with no storage backend attached")
-        return self._io
+    @property
+    def _io(self) -> StorageIO | None:
+        """This rank's serving L3 client, None while no backend is attached."""
+        return self._rank_l3.io
 
     # --- set-up ------------------------------------------------------------
 
@@ -136,8 +151,11 @@ class HiCacheWorker:
             tensors, layouts, pool, cfg.hicache_io_backend, clock=self.clock,
             group_layers=[g.layers for g in self.geom.groups],
             num_l1_blocks=self.geom.num_l1_blocks)
+        self._rank_l3.worker_id = worker_id(self._vllm_config)
         if cfg.storage is not None:
-            self._io = build_storage_io(cfg, self.geom, self._vllm_config, pool)
+            self._rank_l3.io = build_storage_io(cfg, self.geom, self._vllm_config, pool)
+            self._node_loads = node_load_queue(self._rank_l3.io.pages, tensors, layouts,
+                                               cfg.hicache_io_backend, self._hybrid)
         # The engine's one INFO line is the scheduler half's (connector.start_line).
         logger.debug(
             "HiCache worker: %d host pages (%.2f GB), layout=%s, io=%s, device=%s",
@@ -216,22 +234,25 @@ class HiCacheWorker:
         if meta.prefetches:
             # Prefetch pages may have fed a load a moment ago (CUDA: still
             # queued): the reads start after everything issued so far.
-            data, io = self._path(), self._l3()
+            data = self._path()
             ready = data.ready_event()
             for job in meta.prefetches:
                 # The read rewrites these pages; the scheduler indexes only
                 # what it reports as read, so old garbage no longer matters.
                 data.rewritten(job.pages)
-                io.submit_prefetch(job, ready)
-        self._path().begin_step(meta.loads)
+                self._rank_l3.submit_prefetch(job, ready)
+        loads = meta.loads
+        unread: list[int] = []
+        if meta.same_step_loads:  # copies wait (bounded) for this step's reads
+            loads, unread = split_loads(loads, meta.same_step_loads, self._rank_l3.wait_read)
+        self._path().begin_step(loads)
+        self._path().fail_blocks(unread)
 
     def _run_storage_command(self, cmd: StorageCommand) -> None:
-        """An admin attach or detach of this rank's L3 client (l3/attach_worker.py)."""
-        held = run_storage_command(cmd, self._io, self.cfg.storage, self._build_io,
-                                   worker_id(self._vllm_config))
-        self._io = held.io
-        self.cfg = dataclasses.replace(self.cfg, storage=held.storage)
-        self._storage_acks.update(held.ack)
+        """An admin prepare, commit, abort or detach of this rank's L3 client
+        (l3/attach_worker.py)."""
+        self._rank_l3.run(cmd, self._build_io)
+        self.cfg = dataclasses.replace(self.cfg, storage=self._rank_l3.storage)
 
     def _build_io(self, storage: StorageConfig,
                   canary_pages: tuple[int, int] | None) -> StorageIO:
@@ -248,6 +269,14 @@ class HiCacheWorker:
             for job in meta.async_loads:
                 self._async_blocks[job.req_id] = frozenset(job.copy.block_ids)
         self._path().start_loads(meta.async_loads)
+        if meta.node_loads:
+            if self._node_loads is None:  # no node tier here: recomputed
+                self._node_loads = NodeLoadQueue(None, self.transfer_tensors[0].device)
+            # In-step ones before the forward reads their blocks (vLLM calls
+            # this hook before it when a step has synchronous loads).
+            self._node_load_errors |= self._node_loads.load_in_step(
+                [job for job in meta.node_loads if job.in_step])
+            self._node_loads.submit([job for job in meta.node_loads if not job.in_step])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -260,10 +289,9 @@ class HiCacheWorker:
             return
         self._path().after_forward(meta.stores)
         if meta.backups:
-            io = self._l3()
             ready = self._path().ready_event()
             for job in meta.backups:
-                io.submit_backup(self._without_garbage(job), ready)
+                self._rank_l3.submit_backup(self._without_garbage(job), ready)
 
     def _without_garbage(self, job: BackupJob) -> BackupJob:
         """The backup minus pages whose store failed: an L3 object made from
@@ -277,7 +305,7 @@ class HiCacheWorker:
             h for h, page in zip(job.hashes, job.pages) if page in bad)
         return BackupJob(
             job.op_id, tuple(job.hashes[i] for i in keep), tuple(job.pages[i] for i in keep),
-            tuple(job.states[i] for i in keep) if job.states else (),
+            tuple(job.states[i] for i in keep) if job.states else (), job.generation,
         )
 
     # --- completions -------------------------------------------------------
@@ -291,6 +319,10 @@ class HiCacheWorker:
         if self.data is None:
             return None, None
         done = self.data.poll()
+        if self._node_loads is not None:
+            node_done, node_failed = self._node_loads.poll()
+            done |= node_done
+            self._node_load_errors |= node_failed
         if self._hybrid:
             self._fail_requests_of_load_errors(done)
         return None, (done or None)
@@ -314,25 +346,41 @@ class HiCacheWorker:
     def worker_meta(self) -> HiCacheWorkerMetadata | None:
         # Failed stores are reported with or without L3: the L2 index needs them.
         failed_pages = self.data.take_failed_store_pages() if self.data is not None else set()
-        io = self._io
-        progress, backups = io.poll() if io is not None else ({}, set())
-        storage_acks, self._storage_acks = self._storage_acks, {}
+        if self._meta is not None and self._meta.prefetch_wait_s > 0:
+            # A read ending now rides on this report, not the next step's.
+            self._rank_l3.wait_prefetches(self._meta.prefetch_wait_s)
+        reports = self._rank_l3.take_reports()
+        progress, backups = reports.prefetch, reports.backups
+        storage_acks, self._rank_l3.acks = self._rank_l3.acks, {}
+        timings = reports.timings  # taken after the poll (attach_worker._merge)
         backup_failures, self._backup_failures = self._backup_failures, {}
-        if io is not None:
-            for op_id, hashes in io.take_backup_failures().items():
-                backup_failures.setdefault(op_id, set()).update(hashes)
+        for op_id, hashes in reports.failures.items():
+            backup_failures.setdefault(op_id, set()).update(hashes)
+        removed = reports.removed
+        rank = self._rank_l3.worker_id
+        node_counts = self._node_counts_report(rank)
         if (not progress and not backups and not failed_pages and not storage_acks
-                and not backup_failures):
+                and not backup_failures and not removed and not timings and not node_counts):
             return None
-        # Progress and backups come only from an L3 client, whose id names this rank.
         return HiCacheWorkerMetadata(
-            prefetch=({op: {io.worker_id: p} for op, p in progress.items()}
-                      if io is not None else {}),
-            backups={op: {io.worker_id} for op in backups} if io is not None else {},
+            prefetch={op: {rank: p} for op, p in progress.items()},
+            backups={op: {rank} for op in backups},
             failed_store_pages=failed_pages,
             storage_acks=storage_acks,
             backup_failures=backup_failures,
+            l3_removed_keys=removed,
+            prefetch_timing={op: {rank: t} for op, t in timings.items()},
+            node_tier_counts=node_counts,
         )
+
+    def _node_counts_report(self, rank: int) -> dict[int, NodeTierCounts]:
+        """This rank's node tier totals, in every report once there are
+        any: totals, not increments (common/node_counts.py), so a report
+        vLLM drops is made good by the next step's."""
+        if self._io is not None:
+            self._node_counts.observe(self._io.pages.backend)
+        totals = self._node_counts.totals
+        return {} if totals == ZERO else {rank: totals}
 
     def stats(self) -> tuple[dict[str, float], dict[str, float]]:
         """Counter increments since the last call, and gauges (L3 usage,
@@ -348,21 +396,30 @@ class HiCacheWorker:
             invalid = io.take_invalid_objects()
             if invalid:
                 counts[key("l3_errors", "invalid_object")] = invalid
+            self._node_counts.observe(io.pages.backend)
             now = time.monotonic()
             if io.worker_id == 0 and now - self._l3_gauges_at >= 1.0:
                 self._l3_gauges_at = now
                 gauges = l3_usage_gauges(io.pages.backend)
+        for k, v in self._rank_l3.take_retired_counts().items():  # a replaced backend's
+            counts[k] = counts.get(k, 0) + v
+        counts.update(self._node_counts.take_gained().samples())  # also gained in a report
+        if self._node_loads is not None:
+            counts.update(self._node_loads.take_counts())
         return counts, gauges
 
     def take_load_errors(self) -> set[int]:
         if self.data is None or self._hybrid:
             return set()  # hybrid: reported per request (take_failed_recving)
-        return self.data.take_load_errors()
+        node_failed, self._node_load_errors = self._node_load_errors, set()
+        return self.data.take_load_errors() | node_failed
 
     def shutdown(self) -> None:
+        if self._node_loads is not None:  # its loader reads the tier L3 closes
+            self._node_loads.shutdown()
+            self._node_loads = None
         # L3 first: queued backups still read the pool.
-        if self._io is not None:
-            self._io.shutdown()
+        self._rank_l3.shutdown()
         if self.data is not None:
             self.data.shutdown()
         self.data = None

@@ -101,6 +101,8 @@ class KVDataPath:
         self._failed_loads: set[str] = set()
         # Blocks whose load failed, not yet reported.
         self._load_errors: set[int] = set()
+        # This step's forward runs without KV it was promised (fail_blocks).
+        self._missing_kv = False
         # Pages whose latest L1 -> L2 store raised: garbage until rewritten.
         self._garbage_pages: set[int] = set()
         # Failed-store pages not yet reported.
@@ -157,9 +159,18 @@ class KVDataPath:
         self._pending_layers = set(range(self.num_layers)) if self._loads else set()
         self._layer_events = {}
         self._failed_loads = set()
+        self._missing_kv = False
         for job in self._loads:
             if self._reads_garbage(job):
                 self._fail_load(job)
+
+    def fail_blocks(self, block_ids: Sequence[int]) -> None:
+        """After ``begin_step``: these L1 blocks get no KV this step (a
+        same-step L3 read that did not arrive, l3/same_step.py). They are
+        load errors, and the step's stores are dropped as after any failed load."""
+        if block_ids:
+            self._load_errors.update(block_ids)
+            self._missing_kv = True
 
     def start_loads(self, async_loads: Sequence[LoadJob] = ()) -> None:
         """Issue the async loads, and on CUDA queue every layer's loads."""
@@ -188,7 +199,7 @@ class KVDataPath:
         """After the forward: write-through stores of the blocks it completed."""
         if self._pending_layers:
             self._finish_skipped_layers()
-        if stores and self._failed_loads:
+        if stores and (self._failed_loads or self._missing_kv):
             # This forward attended to KV that never arrived: what it computed
             # on top of it is wrong too. Which stored blocks depend on the
             # failed requests is unknown here, so none of these stores may

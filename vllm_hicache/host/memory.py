@@ -80,17 +80,21 @@ def pin_buffer(buffer: torch.Tensor) -> bool:
     """Register ``buffer`` as pinned; False (with a warning) if that fails."""
     assert buffer.device.type == "cpu" and buffer.is_contiguous()
     nbytes = buffer.numel() * buffer.element_size()
+    return pin_range(buffer.data_ptr(), nbytes, "the host KV pool")
+
+
+def pin_range(address: int, nbytes: int, what: str) -> bool:
+    """Register ``nbytes`` of host memory at ``address`` as pinned (and
+    mapped for UVA); False (with a warning naming ``what``) if that fails."""
     if not torch.cuda.is_available():
-        logger.warning("pin_memory=True but no CUDA device is visible; the host KV "
-                       "pool stays pageable")
+        logger.warning("pin_memory=True but no CUDA device is visible; %s stays pageable",
+                       what)
         return False
-    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, _REGISTER_FLAGS)
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _REGISTER_FLAGS)
     if int(err) != 0:
         logger.warning(
-            "cudaHostRegister of the %d-byte host KV pool failed (%s); copies "
-            "will use pageable memory and the kernel I/O backend is unavailable",
-            nbytes,
-            err,
+            "cudaHostRegister of %d bytes of %s failed (%s); copies will use pageable "
+            "memory and the kernel I/O backend is unavailable", nbytes, what, err,
         )
         return False
     return True

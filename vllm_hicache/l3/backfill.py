@@ -1,6 +1,6 @@
 """Backfill after a runtime attach: what L2 held when L3 was attached is
 backed up in the background, hottest first (``HiRadixTree.hot_nodes``), a
-bounded number of pages a step and in flight (admin/storage_control.py drives it).
+bounded number of pages a step and in flight (admin/clear.py drives it).
 
 A node's objects are keyed by the node's own block hashes, vLLM's chained
 hashes, the very ones a later lookup passes to ``KeyNamespace.object_keys``;

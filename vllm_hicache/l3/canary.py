@@ -28,7 +28,8 @@ scheduler half allocates two free pages for the canary and passes them in.
 The object key is this namespace's key of a reserved block hash,
 ``CANARY_MARK`` + 16 bytes of sha256(tag, TP rank): 32 bytes like vLLM's
 sha256 block hashes, which start with these 16 bytes with probability
-2^-128. Each restart overwrites it; ``is_canary_key`` tells it apart.
+2^-128. Each restart overwrites it; ``is_canary_key`` tells it apart (and
+the L3 breaker's health-check object, l3/health_check.py, under the same mark).
 """
 
 from __future__ import annotations
@@ -204,3 +205,6 @@ class DisabledPageStore:
     def read(self, hashes: Sequence[bytes], pages: Sequence[int],
              states: list[bool] | None = None) -> int:
         return 0
+
+    def take_check_seconds(self) -> float:
+        return 0.0

@@ -3,10 +3,13 @@
 Lookup: when a request arrives, the blocks beyond what L1/L2 hold are looked
 up in L3 (``exists_prefix``, min over TP ranks) on a background thread, so
 the scheduler never waits on I/O. Prefetch: in ``build_connector_meta`` a
-finished lookup whose hit reaches ``prefetch_threshold`` gets host pages
-(bounded by the in-flight cap) and becomes a PrefetchJob for the workers.
+finished lookup whose hit passes ``prefetch_threshold`` (a fixed number of
+tokens, or under ``auto`` the load decision's cost model: ``LoadGate``)
+gets host pages (bounded by the in-flight cap) and becomes a PrefetchJob
+for the workers.
 As every rank reports progress, the pages all ranks have verified are
-inserted into the tree: from then on they are ordinary L2 hits. Backup:
+inserted into the tree: from then on they are ordinary L2 hits. Backup
+(l3/backups.py, which the planner owns and delegates its backup methods to):
 pages stored to L2 in a step are written to L3 by the workers after the
 store; a BACKUP op (page_ops.py) pins them until every rank has acknowledged.
 
@@ -20,12 +23,30 @@ when the lookup starts, for the longest possible hit, and again when it
 finishes, for the actual one); a declined hit is still prefetched, as under
 best_effort, for later requests.
 
-Backups are bounded (policy/offload.py): a step's stored pages are backed
-up at once while fewer than ``max_backup_pages`` pages are unacknowledged
-(so the bound is overshot by one step's stores at most); otherwise they are
-deferred to a bounded backlog (unpinned), flushed most valuable first as
-acknowledgements make room, which keeps an idle engine stepping until it is
-empty.
+A lookup the request would wait for is given a moment to answer in the
+same schedule pass (``must_wait``): each step may spend at most
+``LOOKUP_WAIT_PER_STEP_S`` in total waiting on lookups. A store that answers
+in that time (a local file system, a warm cache) saves the request a whole
+step: a miss is admitted at once instead of one step later, and a hit's
+prefetch leaves with this step's metadata. A slower store costs each step at
+most the budget, and the request simply waits, as before.
+
+The circuit breaker (``health``, l3/health_check.py): its answer is read
+once per step (``begin_step``) and holds for what that step sends the
+workers; a new request's lookup also asks it directly. While it is not
+closed, the store is not used: new requests are not looked up, finished
+lookups start no prefetch and nobody waits for one, stored pages are not
+backed up and the backlog is dropped (all counted); prefetches and backups
+already sent end as they would.
+
+Exact removals (l3/removals.py): object keys a worker's client evicted
+(reported in its metadata) or the store reported removing (this process's
+client, polled every step) become ``BlockRemoved`` for ``STORAGE``, after
+the step's backup acknowledgements, and a removed block of a backup still
+open is left out of its ``BlockStored``, so a consumer's last word on a
+block is the store's state.
+
+Admission, exclusive mode, the backlog and write budgets: l3/backups.py.
 """
 
 from __future__ import annotations
@@ -36,21 +57,47 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm_hicache.common.events import MEDIUM_L2, MEDIUM_L3, EventLog
-from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
-from vllm_hicache.common.page_ops import OpKind, PageOp, PageOps, PinnedRange
+from vllm_hicache.common.jobs import (
+    BackupJob,
+    BlockCopy,
+    PrefetchJob,
+    PrefetchProgress,
+    SameStepLoad,
+)
+from vllm_hicache.common.page_ops import PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
 from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
 from vllm_hicache.daemon_pool import DaemonPool
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import KeyNamespace
-from vllm_hicache.policy.offload import BackupBacklog, backup_inflight_cap
-from vllm_hicache.policy.prefetch import PrefetchPolicy
+from vllm_hicache.l3.admission import L3Admission
+from vllm_hicache.l3.backup_budget import BackupBudget
+from vllm_hicache.l3.backups import L3Backups, PickL2Only
+from vllm_hicache.l3.breaker import STATE_GAUGE, BreakerState
+from vllm_hicache.l3.canary import is_canary_key
+from vllm_hicache.l3.health_check import L3Health
+from vllm_hicache.l3.hit_stages import HitTimes, wait_stages
+from vllm_hicache.l3.node_events import NodeTierEvents
+from vllm_hicache.l3.removals import RemovedKeys
+from vllm_hicache.l3.report_wait import step_budget_s
+from vllm_hicache.l3.victims import VictimHolds
+from vllm_hicache.policy.admission import ALWAYS, AdmissionRule, L3Mode
+from vllm_hicache.policy.offload import BackupBacklog
+from vllm_hicache.policy.prefetch import (
+    PREFETCH_THRESHOLD_AUTO,
+    PrefetchPolicy,
+    min_prefetch_blocks,
+)
+from vllm_hicache.policy.same_step import read_wait_s
+from vllm_hicache.policy.write_budget import REASON_BANDWIDTH, REASON_DAY, WriteBudget
 from vllm_hicache.storage import StorageBackend
+from vllm_hicache.storage.node_chain import NodeChainBackend
+from vllm_hicache.storage.node_keys import split_tier_changes
 from vllm_hicache.storage_config import StorageConfig
 
 logger = logging.getLogger(__name__)
@@ -59,6 +106,11 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_LOOKUPS = 256
 # Blocks a probe (a prefetch nobody waits for, to measure L3) reads, at most.
 PROBE_BLOCKS = 64
+# Prefetch op ids of backend generation g start at g << this (set_generation):
+# a late report of a replaced backend's op never names an op of its successor.
+GENERATION_SHIFT = 40
+# Seconds one schedule pass may block, in total, for lookups to answer.
+LOOKUP_WAIT_PER_STEP_S = 0.002
 
 
 class LoadGateLike(Protocol):
@@ -69,6 +121,8 @@ class LoadGateLike(Protocol):
     def wants_l3_sample(self) -> bool: ...
 
     def record(self, tier: str, loaded: bool, num_tokens: int) -> None: ...
+
+    def observe_l3_latency(self, seconds: float) -> None: ...
 
 
 # Allocates ``num`` L2 pages for blocks [matched, matched + num) of a chain,
@@ -95,6 +149,9 @@ class PlannerContext:
     alloc: Alloc | None = None
     gate: LoadGateLike | None = None
     events: EventLog | None = None
+    # The scheduler half can admit an L3 hit in the step its read is sent
+    # (l3/same_step.py: synchronous loads, one KV cache group).
+    same_step: bool = False
 
 
 @dataclass(slots=True)
@@ -105,6 +162,15 @@ class _Op:
     pages: list[int]
     committed: int = 0
     progress: dict[int, PrefetchProgress] = field(default_factory=dict)
+    # Its lookup's points in time (hit_stages.py); None for a probe.
+    times: HitTimes | None = None
+    # A request waits for it (l3/report_wait.py): until must_wait lets it go.
+    waited: bool = False
+    # Started in this schedule pass for same-step admission (l3/same_step.py),
+    # its job not yet planned; and how many of its pages a request admitted
+    # in that step loads.
+    unsent: bool = False
+    same_step: int = 0
 
 
 @dataclass(slots=True)
@@ -113,18 +179,29 @@ class _Lookup:
     start: int
     deadline: float
     future: Future[int]        # the store's hit count for chain[start:]
+    times: HitTimes            # for the request's hit stages (hit_stages.py)
     op: _Op | None = None
     done: bool = False         # nothing (more) to wait for
     timed_out: bool = False    # counted as prefetches{event=timed_out}
     nowait: bool = False       # hicache_load_decision declined to wait for it
+    # [blocks of chain[start:] the node tier had], set by the lookup thread
+    # (a holder: the lookup may finish before this record exists).
+    node_found: list[int] = field(default_factory=lambda: [0])
 
 
 class L3Planner:
     def __init__(self, cfg: StorageConfig, backend: StorageBackend, namespaces: list[KeyNamespace],
                  block_size: int, world_size: int, max_inflight_pages: int,
                  ctx: PlannerContext | None = None, max_backup_pages: int | None = None,
-                 page_states: PageStates | None = None) -> None:
+                 page_states: PageStates | None = None, admission: AdmissionRule = ALWAYS,
+                 mode: L3Mode = L3Mode.INCLUSIVE, health: L3Health | None = None,
+                 block_bytes: int = 0) -> None:
         self.cfg = cfg
+        # The circuit breaker (None: off, the store is always used), and its
+        # answer for this step (begin_step).
+        self.health = health
+        self._usable = True
+        self.breaker_skipped_lookups = 0
         # The scheduler half's state this planner acts on, handed over once;
         # None: a planner that only names keys and looks up (tools, tests).
         self.ctx = ctx
@@ -136,7 +213,7 @@ class L3Planner:
         self.block_size = block_size
         self.world_size = world_size
         self.max_inflight_pages = max_inflight_pages
-        self.threshold_blocks = max(1, -(-cfg.prefetch_threshold // block_size))
+        self._set_threshold(cfg)
         self.prefetch_policy = PrefetchPolicy(
             cfg.prefetch_policy, cfg.prefetch_timeout_base, cfg.prefetch_timeout_per_ki_token,
             cfg.prefetch_timeout_max)
@@ -149,31 +226,61 @@ class L3Planner:
         self._finished_lookups: collections.deque[tuple[str, _Lookup]] = collections.deque()
         self._ops: dict[int, _Op] = {}
         self._inflight_pages = 0
-        self._backups: dict[int, PageOp] = {}
-        self._backup_acks: dict[int, set[int]] = {}
         self._op_ids = itertools.count()
+        # The backend generation this planner's jobs belong to (an admin
+        # replace makes a new one; jobs.py).
+        self.generation = 0
+        # What this schedule pass may still spend waiting on lookups (must_wait).
+        self._lookup_wait_left_s = LOOKUP_WAIT_PER_STEP_S
+        # Prefetches started in this pass for same-step admission (must_wait),
+        # sent with this step's metadata (plan_prefetches).
+        self._same_step_jobs: list[tuple[_Op, PrefetchJob]] = []
+        self.same_step_admitted = 0
         self.prefetched_blocks = 0
         self.skipped_lookups = 0
-        self.backed_up_blocks = 0
         # For metrics (stats.planner_samples).
         self.prefetch_started = 0
         self.prefetch_revoked = 0
         self.prefetch_incomplete = 0
         self.prefetch_timed_out = 0
         self.lookup_errors = 0
-        # Open backup -> hashes some rank failed to write (kv_events.py).
-        self._backup_failures: dict[int, set[bytes]] = {}
-        # Backpressure (policy/offload.py): pages of open backups, the bound,
-        # and the deferred ones.
-        self.max_backup_pages = (max_backup_pages if max_backup_pages is not None
-                                 else backup_inflight_cap(max_inflight_pages))
-        self._backup_pages = 0
-        self._bounded: dict[int, int] = {}  # backup op -> its pages counted in _backup_pages
-        self.backlog = BackupBacklog(max(1, max_inflight_pages))
-        self.backup_deferred = 0
-        self.backup_flushed = 0
-        self.backup_dropped = 0
-        self.backup_evicted = 0
+        # Hits prefetch_threshold=auto left to vLLM: the cost model expected
+        # computing them to be faster.
+        self.prefetch_not_worth = 0
+        # Round trips of finished lookups (seconds), appended by the lookup
+        # thread, handed to the load gate by the scheduler's thread.
+        self._lookup_seconds: collections.deque[float] = collections.deque(maxlen=64)
+        # Exact L3 removals: keys back to block hashes, and blocks announced.
+        self.removals = RemovedKeys(namespaces, skip=is_canary_key)
+        self.mode = mode
+        self.backups = L3Backups(ctx, backend, self.removals, block_size, world_size,
+                                 max_inflight_pages, max_backup_pages, page_states, admission,
+                                 mode, cfg.write_budget, block_bytes)
+        # NODE events and counts, with a node tier (l3/node_events.py).
+        self.node_events = (NodeTierEvents(backend.tier.name, namespaces, self.removals)
+                            if isinstance(backend, NodeChainBackend) else None)
+        self.l3_removed_blocks = 0
+
+    @property
+    def write_budget(self) -> WriteBudget:
+        return self.budget.bucket
+
+    @property
+    def block_bytes(self) -> int:
+        """One block's bytes in L3, all ranks' objects (what a backup spends)."""
+        return self.budget.block_bytes
+
+    @property
+    def l3_removed_unmapped(self) -> int:
+        return self.removals.unmapped
+
+    @property
+    def budget_skipped_bandwidth(self) -> int:
+        return self.budget.skipped[REASON_BANDWIDTH]
+
+    @property
+    def budget_skipped_day(self) -> int:
+        return self.budget.skipped[REASON_DAY]
 
     def _context(self) -> PlannerContext:
         """The scheduler state; planning or completing ops without it is a bug."""
@@ -181,6 +288,38 @@ class L3Planner:
             raise RuntimeError("this L3Planner was built without a PlannerContext "
                                "(lookups only): it cannot plan or complete page ops")
         return self.ctx
+
+    # --- the circuit breaker ------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Read the breaker once for this step; on a trip, let go of what
+        would use the store later: the backlog (dropped, counted) and the
+        waits of lookups in flight."""
+        usable = self.health.usable if self.health is not None else True
+        if self._usable and not usable:
+            self.backups.drop_for_breaker()
+            for lookup in self._lookups.values():
+                if lookup.op is None:
+                    lookup.done = True
+        self._usable = usable
+
+    @property
+    def usable(self) -> bool:
+        """The store is used this step (the breaker is closed, or off)."""
+        return self._usable
+
+    @property
+    def breaker_trips(self) -> int:
+        return self.health.trips if self.health is not None else 0
+
+    def breaker_gauge(self) -> int:
+        """stats.METRICS l3_breaker_state: 0 closed (or off), 1 tripped, 2 probing."""
+        state = self.health.state if self.health is not None else BreakerState.CLOSED
+        return STATE_GAUGE[state]
+
+    def breaker_status(self) -> dict[str, object]:
+        """The admin API's view of the breaker."""
+        return self.health.status() if self.health is not None else {"state": "off"}
 
     # --- lookups -----------------------------------------------------------
 
@@ -191,6 +330,11 @@ class L3Planner:
         vLLM would compute it (decided once, here: it must not wait for
         the lookup either)."""
         if len(chain) - start < self.threshold_blocks:
+            return
+        # The breaker's live answer: a lookup concerns no worker, so it need
+        # not wait for the step that makes a trip everyone's.
+        if not self._usable or (self.health is not None and not self.health.usable):
+            self.breaker_skipped_lookups += 1  # a miss, at once
             return
         if self._num_pending_lookups >= MAX_PENDING_LOOKUPS:
             # A slow or dead store must not build an unbounded backlog: the
@@ -206,41 +350,134 @@ class L3Planner:
             nowait = not gate.prefetch_l3(start * self.block_size, num * self.block_size, num)
         with self._pending_lock:
             self._num_pending_lookups += 1
-        future = self._executor.submit(self._exists, chain[start:])
-        lookup = _Lookup(chain, start, deadline, future, nowait=nowait)
+        times = HitTimes(time.monotonic())
+        node_found = [0]
+        future = self._executor.submit(self._lookup, chain[start:], node_found)
+        lookup = _Lookup(chain, start, deadline, future, times, nowait=nowait,
+                         node_found=node_found)
         self._lookups[req_id] = lookup
         lookup.future.add_done_callback(lambda _: self._lookup_done(req_id, lookup))
 
     def _lookup_done(self, req_id: str, lookup: _Lookup) -> None:
         """Completion callback (lookup thread, or here if already done)."""
+        lookup.times.answered = time.monotonic()
         with self._pending_lock:
             self._num_pending_lookups -= 1
         if not lookup.future.cancelled() and lookup.future.exception() is not None:
             self.lookup_errors += 1  # only this thread writes it
         self._finished_lookups.append((req_id, lookup))
 
+    def _lookup(self, hashes: tuple[bytes, ...], node_found: list[int]) -> int:
+        """The store's hit for ``hashes``; with a node tier, also how many
+        of them it found there (into ``node_found[0]``)."""
+        if not isinstance(self.backend, NodeChainBackend):
+            return self._exists(hashes)
+        began = time.monotonic()
+        hit = node = len(hashes)
+        for ns in self.namespaces:
+            found_node, found = self.backend.exists_prefix_split(ns.object_keys(hashes[:hit]))
+            hit, node = min(hit, found), min(node, found_node)
+            if hit == 0:
+                break
+        node_found[0] = min(node, hit)
+        self._lookup_seconds.append(time.monotonic() - began)
+        return hit
+
     def _exists(self, hashes: tuple[bytes, ...]) -> int:
+        began = time.monotonic()
         hit = len(hashes)
         for ns in self.namespaces:
             hit = min(hit, self.backend.exists_prefix(ns.object_keys(hashes[:hit])))
             if hit == 0:
                 break
+        self._lookup_seconds.append(time.monotonic() - began)
         return hit
 
-    def must_wait(self, req_id: str) -> bool:
-        """Should this request wait (``None`` from get_num_new_matched_tokens)?"""
+    def _set_threshold(self, cfg: StorageConfig) -> None:
+        self.threshold_blocks = min_prefetch_blocks(cfg.prefetch_threshold, self.block_size)
+        self.threshold_by_cost = cfg.prefetch_threshold == PREFETCH_THRESHOLD_AUTO
+
+    def _worth_fetching(self, gate: LoadGateLike | None, start: int, num: int) -> bool:
+        """Under prefetch_threshold=auto: is fetching blocks [start, start +
+        num) expected to beat computing them? (No gate: yes.)"""
+        if not self.threshold_by_cost or gate is None:
+            return True
+        bs = self.block_size
+        return gate.prefetch_l3(start * bs, num * bs, num)
+
+    def must_wait(self, req_id: str, resident: int = 0) -> bool:
+        """Should this request wait (``None`` from get_num_new_matched_tokens)?
+        ``resident``: its leading blocks vLLM's own cache holds now (a
+        same-step read starts after them)."""
         lookup = self._lookups.get(req_id)
-        if lookup is None or lookup.nowait or not self.prefetch_policy.ever_waits:
+        if (lookup is None or lookup.nowait or not self.prefetch_policy.ever_waits
+                or not self._usable):
             return False
+        if not lookup.future.done() and self._lookup_wait_left_s > 0:
+            self._await_answer(lookup)
+        if self._start_same_step(lookup, resident):
+            return False  # admitted with the read (same_step_pages), if vLLM has room
         if (not lookup.done and lookup.op is None and lookup.future.done()
                 and self._hit(lookup) < self.threshold_blocks):
             lookup.done = True  # a miss: nothing to wait for (idempotent)
         now = time.monotonic()
         wait = self.prefetch_policy.should_wait(lookup.done, now, lookup.deadline)
+        if lookup.op is not None:
+            lookup.op.waited = wait
         if not wait and not lookup.done and not lookup.timed_out and now > lookup.deadline:
             lookup.timed_out = True
             self.prefetch_timed_out += 1
         return wait
+
+    def _start_same_step(self, lookup: _Lookup, resident: int) -> bool:
+        """Under same_step_read_wait_ms, a lookup that has answered with a
+        hit starts its prefetch now, to be sent with this step; True while
+        such a prefetch is unsent (its request can be admitted with it)."""
+        if lookup.op is not None:
+            return lookup.op.unsent
+        ctx = self._context()
+        if (not ctx.same_step or self.cfg.same_step_read_wait_ms <= 0 or lookup.done
+                or not lookup.future.done()):
+            return False
+        job = self._start_op(lookup, ctx.tree, ctx.alloc, ctx.gate, resident)
+        if job is None or lookup.op is None:
+            return False
+        lookup.op.unsent = True
+        self._same_step_jobs.append((lookup.op, job))
+        return True
+
+    def same_step_pages(self, req_id: str, block: int | None = None) -> list[int]:
+        """Pages of the request's unsent same-step prefetch, if it fills
+        blocks from ``block`` on (right behind its L2 hit; None: from
+        wherever it starts); else none."""
+        lookup = self._lookups.get(req_id)
+        op = lookup.op if lookup is not None else None
+        if op is None or not op.unsent or (block is not None and op.start != block):
+            return []
+        return op.pages
+
+    def claim_same_step(self, req_id: str, block_ids: Sequence[int]) -> SameStepLoad:
+        """The request was admitted with the first ``len(block_ids)`` pages
+        of its same-step prefetch (same_step_pages): its L1 copies."""
+        lookup = self._lookups[req_id]
+        op = lookup.op
+        assert op is not None and op.unsent and len(block_ids) <= len(op.pages), req_id
+        op.same_step = len(block_ids)
+        self.same_step_admitted += 1
+        wait_s = read_wait_s(self.cfg.same_step_read_wait_ms,
+                             lookup.deadline - time.monotonic())
+        return SameStepLoad(req_id, op.op_id, BlockCopy(tuple(block_ids),
+                                                        tuple(op.pages[: len(block_ids)])),
+                            wait_s, self.generation)
+
+    def _await_answer(self, lookup: _Lookup) -> None:
+        """Block (within this pass's budget and the lookup's deadline) until
+        the lookup answers: a step saved when the store is fast."""
+        started = time.monotonic()
+        timeout = min(self._lookup_wait_left_s, lookup.deadline - started)
+        if timeout > 0:
+            wait([lookup.future], timeout=timeout)
+        self._lookup_wait_left_s -= time.monotonic() - started
 
     @staticmethod
     def _hit(lookup: _Lookup) -> int:
@@ -253,6 +490,8 @@ class L3Planner:
 
     def forget(self, req_id: str) -> None:
         lookup = self._lookups.pop(req_id, None)
+        if lookup is not None and lookup.op is not None:
+            lookup.op.waited = False
         # A declined lookup still runs: its hit is counted and may be probed
         # (plan_prefetches), the only way a declined tier is measured again.
         if lookup is not None and not lookup.nowait:
@@ -263,11 +502,28 @@ class L3Planner:
     def plan_prefetches(self) -> list[PrefetchJob]:
         """Prefetch ops for the lookups that finished since the last step
         (each is considered once, as it finishes); the context's ``gate``
-        (LoadGate) decides whether their requests wait for them."""
+        (LoadGate) decides whether their requests wait for them. Ends the
+        schedule pass: the next one may wait on lookups afresh."""
+        self._lookup_wait_left_s = LOOKUP_WAIT_PER_STEP_S
+        # Started in the pass (same-step), whatever the breaker says now: their
+        # pages are allocated and a load may wait on them.
+        jobs = [job for _, job in self._same_step_jobs]
+        for op, _ in self._same_step_jobs:
+            op.unsent = False
+        self._same_step_jobs = []
+        return jobs + self._plan_finished_lookups()
+
+    def _plan_finished_lookups(self) -> list[PrefetchJob]:
         if not self._finished_lookups:
+            return []
+        if not self._usable:  # their requests compute the blocks
+            while self._finished_lookups:
+                self._finished_lookups.popleft()[1].done = True
             return []
         ctx = self._context()
         tree, alloc, gate = ctx.tree, ctx.alloc, ctx.gate
+        while self._lookup_seconds and gate is not None:
+            gate.observe_l3_latency(self._lookup_seconds.popleft())
         jobs: list[PrefetchJob] = []
         while self._finished_lookups:
             req_id, lookup = self._finished_lookups.popleft()
@@ -285,11 +541,14 @@ class L3Planner:
         return jobs
 
     def _start_op(self, lookup: _Lookup, tree: HiRadixTree, alloc: Alloc | None,
-                  gate: LoadGateLike | None = None) -> PrefetchJob | None:
+                  gate: LoadGateLike | None = None, resident: int = 0) -> PrefetchJob | None:
+        """The lookup's prefetch op, from block ``resident`` on at the
+        earliest (blocks L1 holds now: a request sharing a prefix with one
+        admitted a moment ago need not read it again)."""
         lookup.done = True  # unless an op starts below
         end = lookup.start + self._hit(lookup)
         matched = tree.match(lookup.chain[:end]).pages
-        start = lookup.start
+        start = max(lookup.start, resident)
         while start < len(matched) and matched[start] is not None:
             start += 1  # arrived in L2 meanwhile
         if lookup.nowait and gate is not None:
@@ -302,18 +561,31 @@ class L3Planner:
             if end - start >= self.threshold_blocks:
                 self.prefetch_revoked += 1  # the in-flight cap
             return None
+        if not self._worth_fetching(gate, start, num):
+            self.prefetch_not_worth += 1
+            return None
         pages = _allocator(alloc)(lookup.chain, len(matched), num)
         if pages is None:
             self.prefetch_revoked += 1  # every page pinned
             return None
         if gate is not None and self.prefetch_policy.ever_waits and not lookup.nowait:
             gate.record("L3", True, num * self.block_size)
-        op = _Op(next(self._op_ids), lookup.chain[: start + num], start, pages)
+        op = _Op(next(self._op_ids), lookup.chain[: start + num], start, pages,
+                 times=lookup.times,
+                 waited=self.prefetch_policy.ever_waits and not lookup.nowait)
+        lookup.times.planned = time.monotonic()
         self._ops[op.op_id] = op
         self.prefetch_started += 1
         self._inflight_pages += num
+        self.removals.note(op.chain[start:])
         lookup.op, lookup.done = op, False
-        return PrefetchJob(op.op_id, op.chain[start:], tuple(pages))
+        return PrefetchJob(op.op_id, op.chain[start:], tuple(pages), self.generation)
+
+    def report_wait_s(self) -> float:
+        """How long the workers may wait for open prefetches before this
+        step's report (l3/report_wait.py): only while a request waits for one."""
+        waits = self._usable and self.prefetch_policy.ever_waits  # else must_wait says no
+        return step_budget_s(waits and any(op.waited for op in self._ops.values()))
 
     def _probe(self, lookup: _Lookup, hit: int, tree: HiRadixTree,
                alloc: Alloc | None) -> list[PrefetchJob]:
@@ -332,85 +604,192 @@ class L3Planner:
         self._ops[op.op_id] = op
         self.prefetch_started += 1
         self._inflight_pages += num
-        return [PrefetchJob(op.op_id, chain[lookup.start :], tuple(pages))]
+        return [PrefetchJob(op.op_id, chain[lookup.start :], tuple(pages), self.generation)]
 
     def _count_declined(self, gate: LoadGateLike, num_blocks: int) -> None:
         """A declined lookup found ``num_blocks`` blocks its request computes instead."""
         if num_blocks >= self.threshold_blocks:
             gate.record("L3", False, num_blocks * self.block_size)
 
+    # --- backups (l3/backups.py) ----------------------------------------------
+
     def plan_backup(self, stored: list[PinnedRange], step: int) -> list[BackupJob]:
-        """One backup op for this step's stored pages (their STORE ops pin
-        them now; the BACKUP op keeps them pinned until every rank acked)."""
-        if not stored:
-            return []
-        op = self._context().ops.open(OpKind.BACKUP, step, stored)
-        hashes = tuple(r.chain[i] for r in stored for i in r.blocks)
-        pages = tuple(p for r in stored for p in r.pages)
-        states = (tuple(map(self.page_states.valid, pages)) if self.page_states is not None
-                  else ())
-        self._backups[op.op_id] = op
-        self.backed_up_blocks += len(pages)
-        return [BackupJob(op.op_id, hashes, pages, states)]
+        """One backup op for ``stored`` (L3Backups.plan_backup)."""
+        return self.backups.plan_backup(stored, step)
 
-    def plan_backups(self, stored: list[PinnedRange], step: int) -> list[BackupJob]:
-        """This step's stored pages go out while fewer than
-        ``max_backup_pages`` are in flight (so the bound is overshot by one
-        step's stores at most, and a step's stores are never split); else
-        they are deferred to the backlog. Room left flushes the backlog."""
-        room = self.max_backup_pages - self._backup_pages
-        now: list[PinnedRange] = []
-        if room > 0:
-            now = list(stored)
-            room -= sum(len(r.blocks) for r in stored)
-        else:
-            for rng in stored:
-                self.backup_deferred += len(rng.blocks)
-                self.backup_dropped += self.backlog.defer(rng.chain, rng.blocks)
-        if room > 0 and len(self.backlog):
-            now += self._flush(self._context().tree, room)
-        jobs = self.plan_backup(now, step)
-        for job in jobs:  # the bound counts these; an attach's backfill has its own
-            self._bounded[job.op_id] = len(job.pages)
-            self._backup_pages += len(job.pages)
-        return jobs
+    def plan_backups(self, stored: list[PinnedRange], step: int,
+                     pick: PickL2Only | None = None) -> list[BackupJob]:
+        """This step's stored pages, as far as L3's admission rule admits
+        them (exclusive mode: the held pages L2 needs the room of), go out
+        while fewer than ``max_backup_pages`` are in flight (so the bound
+        is overshot by one step's stores at most, and a step's stores are
+        never split); else they are deferred to the backlog. Room left
+        flushes the backlog, or goes to ``pick(tree, room)`` when given (a
+        graceful stop's choice of L2-only pages, scheduler/graceful_stop.py;
+        exclusive mode then releases every hold it has room for). Nothing is
+        written while the breaker is not closed (the blocks are counted;
+        exclusive mode releases the holds L2 needs the room of unwritten, so
+        L2 never fills with holds)."""
+        if self.ctx is not None:  # once per step: removals this process's client heard of
+            self._announce_removed(self.backend.take_removed_keys(), self.ctx.events)
+        return self.backups.plan_backups(stored, step, self._usable, pick)
 
-    def _flush(self, tree: HiRadixTree, room: int) -> list[PinnedRange]:
-        """Up to ``room`` deferred blocks whose pages are still in L2."""
-        ranges = []
-        for entry in self.backlog.take(room):
-            pages = tree.match(entry.chain).pages
-            picked = [(b, page) for b, page in
-                      ((b, pages[b]) for b in entry.blocks if b < len(pages))
-                      if page is not None]
-            self.backup_evicted += len(entry.blocks) - len(picked)
-            if picked:
-                blocks = tuple(b for b, _ in picked)
-                self.backup_flushed += len(blocks)
-                ranges.append(PinnedRange(entry.chain[: blocks[-1] + 1], blocks,
-                                          tuple(page for _, page in picked)))
-        return ranges
+    def release_l2(self) -> int:
+        """Hold no L2 page any more (L2 is being cleared, or this planner
+        detached); blocks released unwritten."""
+        return self.backups.release_l2()
+
+    def l2_only_by_value(self) -> list[tuple[tuple[bytes, ...], int, int]]:
+        """Blocks L2 holds that L3 lacks, most valuable first (L3Backups.l2_only_by_value)."""
+        return self.backups.l2_only_by_value()
+
+    def check(self) -> list[str]:
+        """Problems with what this planner holds in L2 (empty when all is well)."""
+        return self.backups.check()
+
+    def take_backlog(self, tree: HiRadixTree, room: int) -> list[PinnedRange]:
+        """Up to ``room`` deferred blocks whose pages are still in L2, most valuable first."""
+        return self.backups.take_backlog(tree, room)
+
+    def flush_backlog(self, step: int) -> list[BackupJob]:
+        """Every deferred block still in L2, as one backup op, whatever is in
+        flight: a replaced backend's last backups (l3/retiring.py)."""
+        return self.backups.flush_backlog(step)
+
+    def budget_blocks(self) -> int | None:
+        """Blocks the write budget lets a backup write now; None: no budget."""
+        return self.backups.budget_blocks()
+
+    def open_backup_blocks(self) -> int:
+        """Blocks of backups not yet acknowledged by every rank."""
+        return self.backups.open_backup_blocks()
+
+    def drop_backlog(self) -> int:
+        """Forget every deferred backup (a stop ran out of time); returns the blocks."""
+        return self.backups.drop_backlog()
 
     def note_use(self, hashes) -> None:
-        """A request used these blocks (its hit): deferred backups of them gain value."""
-        self.backlog.record_use(hashes)
+        """A request used these blocks (its hit): deferred backups and held
+        pages of them gain value, declined ones may now be admitted."""
+        self.backups.note_use(hashes)
+
+    # The backups' state and counters, read by the scheduler half, the
+    # admin status, the metrics (stats.planner_samples) and tests.
+
+    @property
+    def backlog(self) -> BackupBacklog:
+        return self.backups.backlog
+
+    @backlog.setter
+    def backlog(self, backlog: BackupBacklog) -> None:
+        self.backups.backlog = backlog
+
+    @property
+    def max_backup_pages(self) -> int:
+        return self.backups.max_backup_pages
+
+    @max_backup_pages.setter
+    def max_backup_pages(self, pages: int) -> None:
+        self.backups.max_backup_pages = pages
+
+    @property
+    def admission(self) -> L3Admission:
+        return self.backups.admission
+
+    @property
+    def victims(self) -> VictimHolds | None:
+        return self.backups.victims
+
+    @property
+    def budget(self) -> BackupBudget:
+        return self.backups.budget
+
+    @property
+    def backed_up_blocks(self) -> int:
+        return self.backups.backed_up_blocks
+
+    @property
+    def written_blocks(self) -> int:
+        return self.backups.written_blocks
+
+    @property
+    def victim_written_blocks(self) -> int:
+        return self.backups.victim_written_blocks
+
+    @property
+    def breaker_skipped_blocks(self) -> int:
+        return self.backups.breaker_skipped_blocks
+
+    @property
+    def backup_deferred(self) -> int:
+        return self.backups.backup_deferred
+
+    @property
+    def backup_flushed(self) -> int:
+        return self.backups.backup_flushed
+
+    @property
+    def backup_dropped(self) -> int:
+        return self.backups.backup_dropped
+
+    @property
+    def backup_evicted(self) -> int:
+        return self.backups.backup_evicted
 
     # --- admin (runtime attach, admin/storage_control.py) --------------------------------
 
     def in_flight(self) -> dict[str, int]:
         """Work that still uses the backend: open backups and prefetches,
         lookups queued or running."""
-        return {"backups": len(self._backups), "prefetches": len(self._ops),
+        return {"backups": self.backups.num_open(), "prefetches": len(self._ops),
                 "lookups": self._num_pending_lookups}
 
     def is_backup_open(self, op_id: int) -> bool:
-        return op_id in self._backups
+        return self.backups.is_backup_open(op_id)
+
+    def set_generation(self, generation: int) -> None:
+        """Tag this planner's jobs and prefetch op ids with ``generation``;
+        before it plans anything."""
+        if self._ops or self.backups.num_open():
+            raise RuntimeError("set_generation after ops were planned")
+        self.generation = self.backups.generation = generation
+        self._op_ids = itertools.count(generation << GENERATION_SHIFT)
+
+    def stop_lookups(self) -> None:
+        """A replace or detach: no request waits on this planner any more
+        (its successor, or none, answers must_wait); lookups not yet run are
+        cancelled. Open ops still complete as their reports arrive."""
+        for lookup in self._lookups.values():
+            lookup.future.cancel()
+        for op in self._ops.values():
+            op.waited = False
+        self._lookups.clear()
+        self._finished_lookups.clear()
+        # Same-step prefetches this pass started are never sent now: the
+        # loads that wait on them find no read (recomputed).
+        tree = self._context().tree if self.ctx is not None else None
+        for op, _ in self._same_step_jobs:
+            self._ops.pop(op.op_id, None)
+            self._inflight_pages -= len(op.pages)
+            if tree is not None:
+                tree.free(op.pages)
+        self._same_step_jobs = []
+
+    def open_backup_pages(self) -> int:
+        """Pages of backups sent to the workers and not acknowledged by all."""
+        return self.backups.open_backup_pages()
+
+    def is_idle(self) -> bool:
+        """No prefetch or backup open (lookups aside)."""
+        return not self._ops and not self.backups.num_open()
 
     def update_policy(self, cfg: StorageConfig) -> None:
         """New prefetch policy and knobs for the same backend and options;
         lookups already started keep their deadlines."""
+        if cfg.write_budget != self.cfg.write_budget:
+            self.budget.reconfigure(cfg.write_budget)
         self.cfg = cfg
-        self.threshold_blocks = max(1, -(-cfg.prefetch_threshold // self.block_size))
+        self._set_threshold(cfg)
         self.prefetch_policy = PrefetchPolicy(
             cfg.prefetch_policy, cfg.prefetch_timeout_base, cfg.prefetch_timeout_per_ki_token,
             cfg.prefetch_timeout_max)
@@ -429,6 +808,11 @@ class L3Planner:
     def on_worker_meta(self, meta: HiCacheWorkerMetadata) -> None:
         ctx = self._context()
         tree, ops, events = ctx.tree, ctx.ops, ctx.events
+        for op_id, timing_by_rank in meta.prefetch_timing.items():
+            op = self._ops.get(op_id)
+            if op is not None and op.times is not None:
+                for timing in timing_by_rank.values():
+                    op.times.add_timing(timing)
         for op_id, by_rank in meta.prefetch.items():
             op = self._ops.get(op_id)
             if op is not None:
@@ -439,15 +823,32 @@ class L3Planner:
                         max(p.done, prev.done), p.finished or prev.finished,
                         p.state_pages | prev.state_pages)
                 self._advance(op, tree, events)
-        for op_id, hashes in meta.backup_failures.items():
-            if op_id in self._backups:  # reported before (or with) that rank's ack
-                self._backup_failures.setdefault(op_id, set()).update(hashes)
-        for op_id, ranks in meta.backups.items():
-            self._ack_backup(op_id, ranks, ops, events)
+        self.backups.on_reports(meta.backup_failures, meta.backups, ops, events)
+        if meta.l3_removed_keys:  # after the acks: a removal is the later word
+            self._announce_removed(meta.l3_removed_keys, events)
+
+    def _announce_removed(self, keys, events: EventLog | None) -> None:
+        """``keys`` are gone from L3: announce their blocks, and keep them out
+        of the BlockStored of backups still open."""
+        if not keys:
+            return
+        keys, node_changes = split_tier_changes(keys)
+        if self.node_events is not None:
+            self.node_events.apply(node_changes, events)
+        hashes = self.removals.block_hashes(keys)
+        if not hashes:
+            return
+        self.l3_removed_blocks += len(hashes)
+        self.backups.fail_removed(set(hashes))
+        if events is not None:
+            events.removed(MEDIUM_L3, hashes, self.backend.name)
 
     def _advance(self, op: _Op, tree: HiRadixTree, events: EventLog | None = None) -> None:
         if len(op.progress) < self.world_size:
             return
+        finished = all(p.finished for p in op.progress.values())
+        if finished and op.times is not None:
+            op.times.seen = time.monotonic()
         done = min(p.done for p in op.progress.values())
         if done > op.committed:
             if self.page_states is not None:
@@ -465,7 +866,9 @@ class L3Planner:
                                                         bool(unused)))
             self.prefetched_blocks += done - op.committed
             op.committed = done
-        if all(p.finished for p in op.progress.values()):
+        if finished:
+            if op.times is not None:
+                op.times.committed = time.monotonic()
             leftover = op.pages[op.committed :]
             if leftover:
                 tree.free(leftover)
@@ -481,35 +884,41 @@ class L3Planner:
                 if lookup.op is op:
                     lookup.done = True
 
-    def _ack_backup(self, op_id: int, ranks: set[int], ops: PageOps,
-                    events: EventLog | None = None) -> None:
-        if op_id not in self._backups:
-            return  # a duplicate or late ack of a finished backup
-        acked = self._backup_acks.setdefault(op_id, set())
-        acked |= ranks
-        if len(acked) >= self.world_size:
-            del self._backup_acks[op_id]
-            op = self._backups.pop(op_id)
-            self._backup_pages -= self._bounded.pop(op_id, 0)
-            failed = self._backup_failures.pop(op_id, ())
-            if events is not None and events.enabled:
-                for rng in op.ranges:
-                    blocks = [i for i in rng.blocks if rng.chain[i] not in failed]
-                    events.stored(MEDIUM_L3, rng.chain, blocks, ownership=self.backend.name)
-            ops.close(op)
-
     def prefetched_range(self, req_id: str) -> tuple[int, int] | None:
         """Blocks [lo, hi) of the request that its own prefetch put into L2."""
         lookup = self._lookups.get(req_id)
         if lookup is None or lookup.op is None:
             return None
-        return lookup.op.start, lookup.op.start + lookup.op.committed
+        op = lookup.op  # a same-step load counts its pages before they commit
+        return op.start, op.start + max(op.committed, op.same_step)
+
+    def node_range(self, req_id: str) -> tuple[int, int] | None:
+        """Blocks [lo, hi) of the request that its own prefetch put into L2
+        and its lookup had found in the node tier (a page evicted between
+        the two was read from the remote store: still counted here)."""
+        fetched = self.prefetched_range(req_id)
+        if fetched is None:
+            return None
+        lookup = self._lookups[req_id]
+        hi = min(fetched[1], lookup.start + lookup.node_found[0])
+        return (fetched[0], hi) if hi > fetched[0] else None
+
+    def hit_stages(self, req_id: str, admitted: float) -> dict[str, float] | None:
+        """Seconds per stage (hit_stages.WAIT_STAGES) of the wait of a
+        request admitted at ``admitted`` with a hit its own prefetch
+        brought in; None if it had no prefetch."""
+        lookup = self._lookups.get(req_id)
+        if lookup is None or lookup.op is None:
+            return None
+        return wait_stages(lookup.times, admitted)
 
     def clear_storage(self) -> None:
         """Admin: remove every object from L3 (reset_cache leaves L3 alone)."""
         self.backend.clear()
 
     def close(self) -> None:
+        if self.health is not None:
+            self.health.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
 

@@ -28,8 +28,11 @@ import os
 from vllm_hicache.common.page_states import PageStates
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.connector.geometry import KVGeometry, pp_stage_num_layers
+from vllm_hicache.connector.vllm_compat import shutdown_timeout_s
 from vllm_hicache.keys import HeadSlicing, KeyNamespace, check_head_slicing
+from vllm_hicache.l3.breaker import BreakerConfig
 from vllm_hicache.l3.canary import DisabledPageStore, guard_with_canary
+from vllm_hicache.l3.health_check import L3Health, probe_key, round_trip_check
 from vllm_hicache.l3.identity import (
     expected_page_format,
     model_ident,
@@ -37,10 +40,12 @@ from vllm_hicache.l3.identity import (
     weights_identity,
     weights_options,
 )
+from vllm_hicache.l3.node_backend import build_backend
 from vllm_hicache.l3.planner import L3Planner, PlannerContext
-from vllm_hicache.l3.worker_io import StorageIO
+from vllm_hicache.l3.worker_io import SHUTDOWN_DRAIN_S, StorageIO
 from vllm_hicache.policy.prefetch import prefetch_inflight_cap
-from vllm_hicache.storage import StorageContext, create_backend
+from vllm_hicache.policy.stop_budget import stop_budget
+from vllm_hicache.storage import StorageContext
 from vllm_hicache.storage.format import HEADER_BYTES
 from vllm_hicache.storage.pages import PageStore
 from vllm_hicache.storage.sealing import make_codec
@@ -144,6 +149,12 @@ def namespace(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, tp_rank: int,
     )
 
 
+def node_identity(cfg: HiCacheConfig, geom: KVGeometry, vllm_config) -> str:
+    """What names the node tier besides node_tier_name: the rank-0 key
+    namespace, which both halves derive alike."""
+    return namespace(cfg, geom, vllm_config, 0, 0).tag
+
+
 def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, num_pages: int,
                   page_states: PageStates | None = None,
                   ctx: PlannerContext | None = None) -> L3Planner:
@@ -158,7 +169,7 @@ def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, num_pages: 
     per_page = len(namespace(cfg, geom, vllm_config, 0, log=True).page_namespaces())
     store_ctx = StorageContext("scheduler", 0, tp_size,
                                HEADER_BYTES + geom.bytes_per_block // per_page)
-    backend = create_backend(storage.backend, storage.backend_options, store_ctx)
+    backend = build_backend(cfg, storage, store_ctx, node_identity(cfg, geom, vllm_config))
     # Each stage's page format has that stage's layers.
     namespaces = [
         ns
@@ -167,11 +178,22 @@ def build_planner(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, num_pages: 
         for ns in namespace(cfg, geom, vllm_config, t, p).page_namespaces()
     ]
     cap = prefetch_inflight_cap(num_pages, geom.num_l1_blocks)
+    health = None
+    if cfg.l3_breaker and ctx is not None:  # a planner that plans: the engine's
+        check = round_trip_check(backend, probe_key(namespaces[0]), store_ctx.object_bytes)
+        health = L3Health(breaker_config(cfg), check, storage.backend)
     return L3Planner(
         storage, backend, namespaces, geom.block_size,
         world_size=num_workers(vllm_config), max_inflight_pages=cap, ctx=ctx,
-        page_states=page_states,
+        page_states=page_states, admission=cfg.hicache_l3_admission, mode=cfg.hicache_l3_mode,
+        health=health, block_bytes=len(namespaces) * store_ctx.object_bytes,
     )
+
+
+def breaker_config(cfg: HiCacheConfig) -> BreakerConfig:
+    return BreakerConfig(window_s=cfg.l3_breaker_window_s,
+                         latency_budget_s=cfg.l3_breaker_latency_budget_ms / 1e3,
+                         probe_interval_s=cfg.l3_breaker_probe_interval_s)
 
 
 def _storage_of(cfg: HiCacheConfig) -> StorageConfig:
@@ -194,7 +216,7 @@ def build_storage_io(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, pool,
     actual = pool_page_format(pool, slicing.heads_per_slice if slicing else None)
     per_page = len(expected.page_namespaces())
     ctx = StorageContext("worker", tp_rank, tp_size, HEADER_BYTES + pool.bytes_per_page // per_page)
-    backend = create_backend(storage.backend, storage.backend_options, ctx)
+    backend = build_backend(cfg, storage, ctx, node_identity(cfg, geom, vllm_config))
     codec = make_codec(storage.secret, storage.encrypt)
     pages = PageStore(backend, pool, namespace(cfg, geom, vllm_config, tp_rank, pp_rank,
                                                page_format=actual), codec,
@@ -209,8 +231,11 @@ def build_storage_io(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, pool,
                         "dividing %d", slicing.heads_per_slice, slicing.total_kv_heads,
                         slicing.num_slices, slicing.slices_per_rank, tp_size,
                         slicing.num_slices)
+    # A stop's teardown share of --shutdown-timeout (policy/stop_budget.py).
+    drain_s = stop_budget(shutdown_timeout_s(vllm_config), SHUTDOWN_DRAIN_S).drain_s
     return StorageIO(checked_page_store(pages, expected.page_format, canary_pages),
-                     worker_id(vllm_config), writes=not geom.is_mla or tp_rank == 0)
+                     worker_id(vllm_config), writes=not geom.is_mla or tp_rank == 0,
+                     drain_timeout_s=drain_s)
 
 
 def checked_page_store(pages: PageStore, expected_format: str,

@@ -3,7 +3,9 @@ forward's thread.
 
 Prefetch (L3 -> L2): pages are read in batches of ``BATCH_PAGES``; progress is
 the count of leading pages verified and written, reported every step until
-the op finishes (a short batch ends it). Backup (L2 -> L3): objects L3 already
+the op finishes (a short batch ends it); with the finishing report goes the
+op's ``PrefetchTiming`` (queued, reading, checking: durations on this
+worker's clock). Backup (L2 -> L3): objects L3 already
 has are skipped (``exists_prefix``), the rest written; the op is acknowledged
 when done, successful or not (a failed write is just a later miss). On CUDA a
 backup first waits for the L1 -> L2 copy that produced its pages.
@@ -13,6 +15,18 @@ retried), so shutdown lets queued and running backups finish, bounded by
 ``drain_timeout_s``; prefetches are useless by then and are cancelled (a
 running one stops at its next batch). A stuck backend costs the backups still
 open at the deadline (logged), never a hung shutdown.
+
+Retire (an admin replace or detach while requests run,
+admin/storage_control.py): the client stops taking part in new work, and
+``retire`` says what becomes of its open jobs. Prefetches stop: a queued one
+is cancelled and reported finished with nothing read, a running one stops
+after its current batch (what it read is reported and used). Backups follow
+the caller's ``pending_backups``: ``finish`` lets them run; ``drop`` cancels
+the queued ones and stops the running ones after their current batch, their
+unwritten pages reported as failures; ``move`` hands the queued ones back, to
+be submitted to the new client under the same op ids. Every job is
+acknowledged exactly once, whichever client ends it, and only once no thread
+of this client reads its pages any more (a page is released by its ack).
 """
 
 from __future__ import annotations
@@ -22,9 +36,9 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
+from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress, PrefetchTiming
 from vllm_hicache.common.stats import WorkerCounters, key
 from vllm_hicache.daemon_pool import DaemonPool
 
@@ -61,6 +75,8 @@ class PageTier(Protocol):
 
     def stats(self) -> dict[str, float]: ...
 
+    def take_check_seconds(self) -> float: ...
+
 
 class StorageIO:
     def __init__(
@@ -82,31 +98,95 @@ class StorageIO:
         # process from exiting once shutdown has given up on it.
         self._pool = DaemonPool(num_threads, "hicache-l3")
         self._lock = threading.Lock()
+        # Notified whenever a prefetch's progress changes (wait_read).
+        self._read_changed = threading.Condition(self._lock)
         self._progress: dict[int, PrefetchProgress] = {}
+        # Finished prefetch op -> its timing, until polled.
+        self._timings: dict[int, PrefetchTiming] = {}
         self._backups_done: set[int] = set()
         # Backup op -> hashes not in L3 after it (KV events), until polled.
         self._backup_failures: dict[int, set[bytes]] = {}
-        # Open jobs, by kind: shutdown drains backups and cancels prefetches.
-        self._prefetches: set[Future] = set()
-        self._backups: set[Future] = set()
+        # Open jobs, by kind, with what they run: shutdown drains backups and
+        # cancels prefetches; retire may also drop or hand back backups.
+        self._prefetches: dict[Future, PrefetchJob] = {}
+        self._backups: dict[Future, tuple[BackupJob, Any]] = {}
         self._stopping = threading.Event()
+        # retire(drop): running backups stop after their current batch.
+        self._dropping = threading.Event()
 
     def submit_prefetch(self, job: PrefetchJob, ready=None) -> None:
         with self._lock:
             self._progress[job.op_id] = PrefetchProgress(0, False)
-        self._track(self._prefetches, self._pool.submit(self._guard, self._prefetch, job, ready))
+        self._track(self._prefetches, self._pool.submit(
+            self._guard, self._prefetch, job, ready, time.perf_counter()), job)
 
     def submit_backup(self, job: BackupJob, ready=None) -> None:
-        self._track(self._backups, self._pool.submit(self._guard, self._backup, job, ready))
+        self._track(self._backups, self._pool.submit(self._guard, self._backup, job, ready),
+                    (job, ready))
 
-    def _track(self, open_jobs: set[Future], future: Future) -> None:
+    def _track(self, open_jobs: dict[Future, Any], future: Future, what: Any) -> None:
         with self._lock:
-            open_jobs.difference_update([f for f in open_jobs if f.done()])
-            open_jobs.add(future)
+            for done in [f for f in open_jobs if f.done()]:
+                del open_jobs[done]
+            open_jobs[future] = what
 
-    def _open_jobs(self, open_jobs: set[Future]) -> list[Future]:
+    def _open_jobs(self, open_jobs: dict[Future, Any]) -> list[Future]:
         with self._lock:
             return [f for f in open_jobs if not f.done()]
+
+    def has_open_jobs(self) -> bool:
+        """Any job submitted and not yet ended (run, failed or cancelled)?"""
+        return bool(self._open_jobs(self._prefetches) or self._open_jobs(self._backups))
+
+    def wait_prefetches(self, timeout_s: float) -> None:
+        """Block until every open prefetch has ended, or ``timeout_s`` has
+        passed (l3/report_wait.py: the step's report then carries them)."""
+        pending = self._open_jobs(self._prefetches)
+        if pending and timeout_s > 0:
+            wait(pending, timeout=timeout_s)
+
+    def wait_read(self, op_id: int, num_pages: int, timeout_s: float) -> int:
+        """Leading pages of prefetch ``op_id`` verified and written, once
+        they reach ``num_pages``, the read ends or ``timeout_s`` passes
+        (l3/same_step.py: an L1 copy waits for them). 0 for an op this
+        client does not know (never submitted, or already reported finished)."""
+        def settled() -> bool:
+            p = self._progress.get(op_id)
+            return p is None or p.finished or p.done >= num_pages
+
+        with self._read_changed:
+            if timeout_s > 0:
+                self._read_changed.wait_for(settled, timeout=timeout_s)
+            progress = self._progress.get(op_id)
+            return min(progress.done, num_pages) if progress is not None else 0
+
+    def retire(self, pending_backups: str) -> list[tuple[BackupJob, Any]]:
+        """Stop taking part in new work (see module doc); returns the queued
+        backups handed back under ``move`` as (job, ready) pairs."""
+        self._stopping.set()
+        if pending_backups == "drop":
+            self._dropping.set()
+        with self._lock:
+            prefetches = list(self._prefetches.items())
+            backups = list(self._backups.items())
+        for future, prefetch in prefetches:
+            if future.cancel():  # never started: nothing of it was read
+                with self._lock:
+                    self._progress[prefetch.op_id] = PrefetchProgress(0, True)
+                    self._read_changed.notify_all()
+        moved: list[tuple[BackupJob, Any]] = []
+        if pending_backups in ("drop", "move"):
+            for future, (backup, ready) in backups:
+                if not future.cancel():
+                    continue  # running or done: it acks itself
+                if pending_backups == "move":
+                    moved.append((backup, ready))
+                else:
+                    with self._lock:
+                        self._backup_failures.setdefault(backup.op_id, set()).update(
+                            backup.hashes)
+                        self._backups_done.add(backup.op_id)
+        return moved
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait (bounded) for every submitted job; True if all finished."""
@@ -128,28 +208,39 @@ class StorageIO:
                 if isinstance(job, PrefetchJob):
                     progress = self._progress.get(job.op_id, PrefetchProgress(0, False))
                     self._progress[job.op_id] = progress._replace(finished=True)
+                    self._read_changed.notify_all()
                 else:
                     self._backup_failures.setdefault(job.op_id, set()).update(job.hashes)
                     self._backups_done.add(job.op_id)
 
-    def _prefetch(self, job: PrefetchJob, ready) -> None:
+    def _prefetch(self, job: PrefetchJob, ready, submitted: float) -> None:
         if ready is not None:
             ready.synchronize()
+        queue_s = time.perf_counter() - submitted
+        read_s = 0.0
+        self.pages.take_check_seconds()  # what this thread checked before is not ours
         done = 0
         states: list[bool] = []  # per page read, for stores with page states
         for begin in range(0, len(job.pages), BATCH_PAGES):
             end = min(begin + BATCH_PAGES, len(job.pages))
             started = time.perf_counter()
             good = self.pages.read(job.hashes[begin:end], job.pages[begin:end], states)
-            self.counters.add_transfer("prefetch", good * self._page_bytes,
-                                       time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            read_s += seconds
+            self.counters.add_transfer("prefetch", good * self._page_bytes, seconds)
             done += good
             finished = good < end - begin or end == len(job.pages)
             if self._stopping.is_set():
                 finished = True  # shutdown: nobody will use the rest
             state_pages = frozenset(i for i, valid in enumerate(states) if valid)
+            if finished:
+                check_s = min(read_s, self.pages.take_check_seconds())
+                timing = PrefetchTiming(queue_s, read_s - check_s, check_s)
             with self._lock:
+                if finished:  # before the progress: a poll never sees one without the other
+                    self._timings[job.op_id] = timing
                 self._progress[job.op_id] = PrefetchProgress(done, finished, state_pages)
+                self._read_changed.notify_all()
             if finished:
                 return
 
@@ -159,6 +250,9 @@ class StorageIO:
         failed: list[bytes] = []
         if self._writes:
             for begin in range(0, len(job.pages), BATCH_PAGES):
+                if self._dropping.is_set():  # retire(drop): the rest stays unwritten
+                    failed += job.hashes[begin:]
+                    break
                 hashes = job.hashes[begin : begin + BATCH_PAGES]
                 pages = job.pages[begin : begin + BATCH_PAGES]
                 states = job.states[begin : begin + BATCH_PAGES] or None
@@ -189,6 +283,18 @@ class StorageIO:
         with self._lock:
             failures, self._backup_failures = self._backup_failures, {}
         return failures
+
+    def take_removed_keys(self) -> list[str]:
+        """Objects this worker's client removed from L3 (its ``max_bytes``
+        LRU) since the last call, for the scheduler's KV events."""
+        return self.pages.backend.take_removed_keys()
+
+    def take_prefetch_timings(self) -> dict[int, PrefetchTiming]:
+        """Timings of the prefetches finished since the last call (each one's
+        is taken no later than the poll that reports it finished)."""
+        with self._lock:
+            timings, self._timings = self._timings, {}
+        return timings
 
     def take_invalid_objects(self) -> int:
         """Objects that did not verify since the last call."""

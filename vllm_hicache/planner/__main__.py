@@ -8,6 +8,7 @@ import sys
 
 from vllm_hicache.planner.log_format import LogReadError, read_logs
 from vllm_hicache.planner.report import CostModel, build_plan, format_report
+from vllm_hicache.policy.admission import L3Mode, parse_admission
 
 _COST = CostModel()
 
@@ -23,6 +24,25 @@ def _sizes(text: str, unlimited: bool) -> list[float | None]:
         if not value >= 0:
             raise argparse.ArgumentTypeError(f"{item!r}: sizes are GB >= 0")
         out.append(value)
+    return out
+
+
+def _rules(text: str) -> list[str]:
+    out = [item.strip() for item in text.split(",") if item.strip()]
+    for item in out:
+        try:
+            parse_admission(item)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return out
+
+
+def _modes(text: str) -> list[str]:
+    out = [item.strip() for item in text.split(",") if item.strip()]
+    for item in out:
+        if item not in tuple(L3Mode):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: L3 modes are {', '.join(m.value for m in L3Mode)}")
     return out
 
 
@@ -42,6 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a request waits for its own L3 prefetch (wait_complete, timeout) or "
                         "gets what landed before it was admitted (best_effort); "
                         "default: as served")
+    rules = p.add_argument_group(
+        "admission rules (compared at the served sizes; policy/admission.py's grammar)")
+    rules.add_argument("--l2-admission", type=_rules,
+                       help="L1->L2 rules, comma-separated (default: always,hits:2)")
+    rules.add_argument("--l3-admission", type=_rules,
+                       help="L2->L3 rules, comma-separated (default: always,hits:2)")
+    rules.add_argument("--l3-mode", type=_modes,
+                       help="L3 modes, comma-separated (default: inclusive,exclusive)")
     p.add_argument("--plots", metavar="DIR", default="hicache-plan",
                    help="where the PNGs go (default: %(default)s); needs matplotlib")
     p.add_argument("--no-plots", action="store_true")
@@ -69,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     waits = None if args.prefetch is None else args.prefetch == "wait"
-    plan = build_plan(log, cost, args.l2_gb, args.l3_gb, waits)
+    plan = build_plan(log, cost, args.l2_gb, args.l3_gb, waits,
+                      (args.l2_admission, args.l3_admission, args.l3_mode))
     print(format_report(plan, cost))
     if not args.no_plots:
         from vllm_hicache.planner.plots import save_plots

@@ -11,10 +11,18 @@ taken while the server writes) loses at most its last frame. The first
 object of the first frame is the header (a map, ``LogHeader``); then records,
 msgpack arrays whose first item is their kind:
 
-    [0, t_ms, seq, step, prompt_tokens, l1_tokens, l2_tokens, l3_tokens, priority, chain]
+    [0, t_ms, seq, step, prompt_tokens, l1_tokens, l2_tokens, l3_tokens, priority, chain,
+     l3_stages_us?, l3_node_tokens?]
         ADMIT: a request got its blocks in scheduler step ``step``; how many
         prompt tokens came from vLLM's own prefix cache (L1), from L2 and
-        from L3 (its own prefetch).
+        from L3 (its own prefetch). ``l3_stages_us``, written only with L3
+        tokens (older writers never write it): where the request's wait
+        for them went, a map of stage name (l3/hit_stages.py) to whole
+        microseconds; its values sum to the wait from its L3 lookup to
+        this record. ``l3_node_tokens``, written only when non-zero (then
+        ``l3_stages_us`` is written too, nil when absent): of the L3 tokens,
+        those the request's lookup found in the node tier (the machine's
+        shared host memory) rather than the remote store behind it.
     [1, t_ms, seq, step, num_blocks_held, chain_ext]
         FINISH: the request ended before step ``step``, holding
         ``num_blocks_held`` L1 blocks; ``chain_ext`` are the blocks computed
@@ -77,10 +85,15 @@ class LogHeader:
     # radix_eviction_policy, hicache_write_policy.
     eviction_policy: str = "lru"
     write_policy: str = "write_through"
+    # The L1->L2 rule in force, hicache_l3_admission, hicache_l3_mode
+    # (policy/admission.py); older logs: today's write-through.
+    l2_admission: str = "always"
+    l3_admission: str = "always"
+    l3_mode: str = "inclusive"
     # The L3 backend's name, "" when the server ran without L3.
     l3_backend: str = ""
     l3_prefetch_policy: str = ""
-    # prefetch_threshold, in tokens.
+    # prefetch_threshold, in tokens; 0 = "auto" (replayed as one block).
     l3_threshold_tokens: int = 0
     # The backend's capacity in bytes where configured (file max_bytes), 0 = unknown.
     l3_capacity_bytes: int = 0
@@ -117,6 +130,10 @@ class Admit(NamedTuple):
     l3_tokens: int
     priority: int
     chain: tuple[bytes, ...]
+    # Stage -> microseconds of the wait for the L3 part (None: none, or an older log).
+    l3_stages_us: dict[str, int] | None = None
+    # Of l3_tokens, those found in the node tier (0: none, or an older log).
+    l3_node_tokens: int = 0
 
 
 class Finish(NamedTuple):
@@ -160,8 +177,14 @@ def encode_header(header: LogHeader) -> bytes:
 
 
 def encode_admit(t_ms: int, seq: int, step: int, prompt_tokens: int, l1: int, l2: int,
-                 l3: int, priority: int, chain: bytes) -> bytes:
-    return _packb([ADMIT, t_ms, seq, step, prompt_tokens, l1, l2, l3, priority, chain])
+                 l3: int, priority: int, chain: bytes,
+                 l3_stages_us: dict[str, int] | None = None, l3_node_tokens: int = 0) -> bytes:
+    record = [ADMIT, t_ms, seq, step, prompt_tokens, l1, l2, l3, priority, chain]
+    if l3_stages_us or l3_node_tokens:
+        record.append(l3_stages_us or None)
+    if l3_node_tokens:
+        record.append(l3_node_tokens)
+    return _packb(record)
 
 
 def encode_finish(t_ms: int, seq: int, step: int, num_blocks_held: int,
@@ -261,7 +284,9 @@ def _record(obj: object, hash_bytes: int) -> Record | None:
         return None
     kind = obj[0]
     if kind == ADMIT and len(obj) >= 10:
-        return Admit._make((*obj[1:9], _split_chain(obj[9], hash_bytes)))
+        stages = obj[10] if len(obj) > 10 and isinstance(obj[10], dict) else None
+        node = obj[11] if len(obj) > 11 and isinstance(obj[11], int) else 0
+        return Admit._make((*obj[1:9], _split_chain(obj[9], hash_bytes), stages, node))
     if kind == FINISH and len(obj) >= 6:
         return Finish._make((*obj[1:5], _split_chain(obj[5], hash_bytes)))
     if kind == DROPS and len(obj) >= 3:

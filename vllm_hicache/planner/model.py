@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm_hicache.planner.l1 import Chain
+from vllm_hicache.policy.admission import ALWAYS, AdmissionRule, L3Mode
 
 
 class L3Store:
@@ -32,14 +33,18 @@ class L3Store:
             if h in self._lru:
                 self._lru.move_to_end(h)
 
-    def write(self, hashes: Iterable[bytes]) -> None:
+    def write(self, hashes: Iterable[bytes]) -> int:
+        """Objects actually written (those it lacked)."""
         lru = self._lru
+        written = 0
         for h in hashes:
             if h not in lru:
                 lru[h] = None
+                written += 1
         if self.num_objects is not None:
             while len(lru) > self.num_objects:
                 lru.popitem(last=False)
+        return written
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,11 @@ class ReplayConfig:
     # Does a request wait for its own prefetch (wait_complete, timeout) or
     # not (best_effort: it gets what landed before it was admitted)?
     prefetch_waits: bool = True
+    # The boundaries' admission rules and L3's mode (policy/admission.py);
+    # l2_admission ALWAYS: the write policy's own rule.
+    l2_admission: AdmissionRule = ALWAYS
+    l3_admission: AdmissionRule = ALWAYS
+    l3_mode: L3Mode = L3Mode.INCLUSIVE
 
 
 @dataclass
@@ -65,8 +75,10 @@ class ReplayResult:
     l1_tokens: int = 0
     l2_tokens: int = 0
     l3_tokens: int = 0
-    # Pages stored to L2; L3 objects at most.
+    # Pages stored to L2 (blocks written across L1 -> L2); objects written
+    # to L3 (across L2 -> L3); L3 objects at most.
     stored_pages: int = 0
+    l3_written: int = 0
     l3_peak_objects: int = 0
     # (L1, L2, L3) hit tokens of each admission.
     per_request: list[tuple[int, int, int]] = field(default_factory=list)

@@ -23,6 +23,10 @@ request, and before which step it arrived):
             (wait_complete, timeout: ``prefetch_waits``).
     FINISH  whatever it decoded and was not stored yet is.
 
+Which stored blocks reach L3, and when (hicache_l3_admission,
+hicache_l3_mode), is l3_boundary.py's; the L1 -> L2 admission rule is the
+write policy's (policy/write.py), as in the engine.
+
 Write-back stores a block when L1 evicts it, after the step that evicted it,
 if the watcher still tracks it (l1.py's ``_Tracked``). Approximated: the
 write-back watcher's and the selective write policy's bounded tables, a
@@ -43,9 +47,11 @@ from typing import NamedTuple
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.index.node import LockHandle
 from vllm_hicache.planner.l1 import AdmitStep, ArriveStep, Chain, FinishStep, Step, loadable_blocks
+from vllm_hicache.planner.l3_boundary import L3Boundary
 from vllm_hicache.planner.log_format import Admit
 from vllm_hicache.planner.model import L3Store, ReplayConfig, ReplayResult
 from vllm_hicache.policy import make_eviction_policy
+from vllm_hicache.policy.admission import ALWAYS
 from vllm_hicache.policy.prefetch import prefetch_inflight_cap
 from vllm_hicache.policy.write import WritePolicy, WritePolicyName, hit_counter_slots
 
@@ -78,9 +84,15 @@ class Hierarchy:
     def __init__(self, cfg: ReplayConfig) -> None:
         self.cfg = cfg
         self.tree = HiRadixTree(cfg.l2_pages, make_eviction_policy(cfg.eviction_policy),
-                                clock=itertools.count().__next__)
-        self.write = WritePolicy(cfg.write_policy, hit_counter_slots(cfg.l2_pages))
+                                clock=itertools.count().__next__, on_evict=self._evicted)
+        l2_rule = None if cfg.l2_admission == ALWAYS else cfg.l2_admission
+        self.write = WritePolicy(cfg.write_policy, hit_counter_slots(cfg.l2_pages), l2_rule,
+                                 cfg.block_size)
         self.l3 = L3Store(cfg.l3_objects) if cfg.l3_objects != 0 else None
+        self.result = ReplayResult()
+        self.boundary = (L3Boundary(cfg, self.l3, self.result,
+                                    lambda chain: self.tree.match(chain).pages)
+                         if self.l3 is not None else None)
         self.max_prefetch_pages = prefetch_inflight_cap(cfg.l2_pages, cfg.l1_blocks)
         self._inflight_pages = 0
         self._lookups: list[_Lookup] = []
@@ -96,7 +108,10 @@ class Hierarchy:
         # seq -> blocks [0, n) considered for a store (ReqState.num_planned).
         self._planned: dict[int, int] = {}
         self._gens = itertools.count()
-        self.result = ReplayResult()
+
+    def _evicted(self, hashes: list[bytes]) -> None:
+        if self.boundary is not None:
+            self.boundary.evicted(hashes)
 
     # --- ARRIVE: L3 lookups and prefetches -----------------------------------------
 
@@ -199,6 +214,8 @@ class Hierarchy:
             self._start_decode(rec, adm.final_chain)
         for lock in locks:
             self.tree.unlock(lock)
+        if self.boundary is not None:
+            self.boundary.step_done()
         self._advance(step, step_done=True)
 
     def _lookup(self, rec: Admit, l1_hit: int) -> int:
@@ -220,6 +237,8 @@ class Hierarchy:
         if fetched is not None:
             l3_hit = max(0, min(l1_hit + run, fetched[1]) - max(l1_hit, fetched[0]))
         self.tree.touch(rec.chain, l1_hit + run, priority=-rec.priority)
+        if self.boundary is not None:
+            self.boundary.used(rec.chain[: l1_hit + run])
         res = self.result
         res.requests += 1
         res.prompt_tokens += rec.prompt_tokens
@@ -308,9 +327,8 @@ class Hierarchy:
         unused = self.tree.insert(chain, new, priority)
         assert not unused, unused
         self.result.stored_pages += len(pages)
-        if self.l3 is not None:
-            self.l3.write(chain[i] for i in blocks)
-            self.result.l3_peak_objects = max(self.result.l3_peak_objects, len(self.l3))
+        if self.boundary is not None:
+            self.boundary.stored(chain, blocks)
 
     @contextmanager
     def _pinned(self, chain: Chain, num_matched: int) -> Iterator[None]:

@@ -16,13 +16,21 @@ from vllm_hicache.planner.log_format import AccessLog, Admit, LogHeader
 from vllm_hicache.planner.model import ReplayConfig, ReplayResult
 from vllm_hicache.planner.replay import replay
 from vllm_hicache.planner.reuse import ReuseProfile, knee, reuse_profile
+from vllm_hicache.planner.rules import (
+    RulePoint,
+    format_rules,
+    rule_grid,
+    served_rules,
+    sweep_rules,
+)
 from vllm_hicache.policy.prefetch import PrefetchPolicyName
 from vllm_hicache.policy.write import WritePolicyName
 
 GB = 1e9
 SECONDS_PER_MONTH = 730 * 3600
-# StorageConfig's default prefetch_threshold, for a log served without L3.
-DEFAULT_THRESHOLD_TOKENS = 256
+# StorageConfig's default prefetch_threshold, for a log served without L3:
+# "auto", logged as 0; the replay has no cost model and fetches any hit.
+DEFAULT_THRESHOLD_TOKENS = 0
 # A shorter log gives no monthly figures: its rate says too little.
 MIN_PRICED_SECONDS = 60.0
 
@@ -78,6 +86,8 @@ class Plan:
     knee_gb: float | None
     prefetch_waits: bool
     notes: list[str] = field(default_factory=list)
+    # Admission rules and L3 modes replayed at the served sizes (rules.py).
+    rules: list[RulePoint] = field(default_factory=list)
 
 
 class Sizing:
@@ -153,7 +163,11 @@ def _round(gb: float) -> float:
 
 def build_plan(log: AccessLog, cost: CostModel, l2_gb: list[float] | None = None,
                l3_gb: list[float | None] | None = None,
-               prefetch_waits: bool | None = None) -> Plan:
+               prefetch_waits: bool | None = None,
+               rules: tuple[list[str] | None, list[str] | None, list[str] | None] = (
+                   None, None, None)) -> Plan:
+    """``rules``: the L2 rules, L3 rules and L3 modes to compare (None:
+    rules.rule_grid's defaults)."""
     header = log.header
     sizing = Sizing(header)
     admits = [r for r in log.records if isinstance(r, Admit)]
@@ -176,6 +190,8 @@ def build_plan(log: AccessLog, cost: CostModel, l2_gb: list[float] | None = None
     knee_gb = sizing.l2_gb(knee_blocks) if knee_blocks else None
     plan = Plan(header, len({a.seq for a in admits}), duration_s, log.num_dropped,
                 measured(log), served, sweep, profile, knee_gb, prefetch_waits)
+    served_cfg = _config(header, sizing, *served_sizes(header), prefetch_waits)
+    plan.rules = sweep_rules(steps, served_cfg, rule_grid(header, *rules), header, sizing.rate)
     plan.notes += _notes(log, plan)
     return plan
 
@@ -183,12 +199,14 @@ def build_plan(log: AccessLog, cost: CostModel, l2_gb: list[float] | None = None
 def _config(header: LogHeader, sizing: Sizing, l2: float, l3: float | None,
             prefetch_waits: bool) -> ReplayConfig:
     threshold = header.l3_threshold_tokens if header.l3_backend else DEFAULT_THRESHOLD_TOKENS
+    served = served_rules(header)
     return ReplayConfig(
         block_size=header.block_size, l1_blocks=sizing.l1_blocks(),
         l2_pages=sizing.l2_pages(l2), l3_objects=sizing.l3_objects(l3),
         eviction_policy=header.eviction_policy, write_policy=header.write_policy,
         l3_threshold_blocks=max(1, -(-threshold // header.block_size)),
-        prefetch_waits=prefetch_waits,
+        prefetch_waits=prefetch_waits, l2_admission=served.l2, l3_admission=served.l3,
+        l3_mode=served.mode,
     )
 
 
@@ -248,6 +266,8 @@ def _tiers(res: ReplayResult) -> str:
 def format_report(plan: Plan, cost: CostModel) -> str:
     lines = [*_head_lines(plan), "", *_table_lines(plan), "", *_cdf_lines(plan), "",
              *_cost_lines(plan, cost)]
+    if plan.rules:
+        lines += ["", *format_rules(plan.rules)]
     if plan.notes:
         lines += ["", *(f"note: {n}" for n in plan.notes)]
     return "\n".join(lines)

@@ -45,10 +45,17 @@ Estimators (all pure, fed by the connector; ``scheduler/load_gate.py``):
   of a step) and over-states the marginal cost of a short prefill: the
   estimate errs towards loading.
 
+- **L3 latency** (``observe_l3_latency``): the seconds of the planner's
+  recent L3 lookups (one round trip each), median of the last
+  ``BANDWIDTH_WINDOW``: the fixed cost a fetch pays however short it is,
+  which a ratio of bytes to seconds leaves out. It is what makes short hits
+  (a few blocks) lose against recomputing on a store far away, and win on
+  a near one (``prefetch_threshold=auto``, policy/prefetch.py).
+
 Decision for a hit of ``n`` tokens after ``start`` cached ones, over
 ``pages`` pages of ``page_bytes``:
 
-    load_s    = pages x page_bytes / bandwidth        (L3: prefetch + load)
+    load_s    = pages x page_bytes / bandwidth        (L3: latency + prefetch + load)
     compute_s = c_tok x n + c_attn x n x (start + (n + 1) / 2)
     decline  iff  load_s > (1 + LOAD_MARGIN) x compute_s
 
@@ -294,6 +301,7 @@ class LoadDecider:
         self.l2 = BandwidthEstimate()   # L2 -> L1 loads
         self.l3 = BandwidthEstimate()   # L3 -> L2 prefetches
         self.prefill = PrefillModel()
+        self._l3_latency_s: deque[float] = deque(maxlen=BANDWIDTH_WINDOW)
         # When each tier's estimate last got a sample (or a probe was let through).
         self._refreshed = {"L2": clock(), "L3": clock()}
 
@@ -308,6 +316,19 @@ class LoadDecider:
             self._refreshed["L2"] = self.clock()
         if self.l3.observe(*prefetch):
             self._refreshed["L3"] = self.clock()
+
+    def observe_l3_latency(self, seconds: float) -> None:
+        """One L3 lookup's round trip, in seconds."""
+        if 0.0 <= seconds <= MAX_STEP_S:
+            self._l3_latency_s.append(seconds)
+
+    def l3_latency_s(self) -> float:
+        """Median recent L3 round trip; 0 before any was measured."""
+        if not self._l3_latency_s:
+            return 0.0
+        ordered = sorted(self._l3_latency_s)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
     def observe_step(self, num_tokens: int, attn_pairs: float, seconds: float) -> None:
         self.prefill.observe(num_tokens, attn_pairs, seconds)
@@ -352,6 +373,7 @@ class LoadDecider:
         fetch_s = self._transfer_s(self.l3, num_pages)
         if fetch_s is not None:
             fetch_s += self._transfer_s(self.l2, num_pages) or 0.0
+            fetch_s += self.l3_latency_s()
         return self._worth(fetch_s, start, num_tokens)
 
     def estimates(self) -> dict[str, float]:

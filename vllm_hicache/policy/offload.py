@@ -121,6 +121,10 @@ class BackupBacklog:
                 entry.version += 1
                 self._push(seq, entry)
 
+    def entries(self) -> list[Deferred]:
+        """The deferred entries, in no particular order; nothing leaves."""
+        return list(self._entries.values())
+
     def take(self, budget: int) -> list[Deferred]:
         """Up to ``budget`` blocks, most valuable entries first; an entry
         larger than what is left gives its leading blocks."""

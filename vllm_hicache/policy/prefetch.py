@@ -10,6 +10,15 @@ Named as SGLang's ``--hicache-storage-prefetch-policy``:
   ``prefetch_timeout_base + prefetch_timeout_per_ki_token x tokens / 1024``,
   capped by ``prefetch_timeout_max``.
 
+Which L3 hits are fetched at all (``prefetch_threshold``): ``auto`` (the
+default) fetches a hit of any length that the load decision's cost model
+(policy/load.py: lookup latency plus bytes over the measured bandwidth,
+against the prefill time of those tokens) expects to arrive sooner than
+vLLM would compute it; an integer fetches only hits of at least that many
+tokens, whatever they cost (SGLang's fixed threshold). A fixed 256 tokens
+recomputes every short hit, the decode-only tail of a PD answer included,
+even where loading it is cheaper.
+
 Pure module: the L3 planner asks it, and keeps the lookups and deadlines.
 """
 
@@ -27,6 +36,28 @@ class PrefetchPolicyName(StrEnum):
 
 
 PREFETCH_POLICIES = tuple(PrefetchPolicyName)
+# prefetch_threshold's value that lets the cost model decide.
+PREFETCH_THRESHOLD_AUTO = "auto"
+
+
+def parse_prefetch_threshold(value: object) -> int | str:
+    """``"auto"``, or a number of tokens >= 1."""
+    if value == PREFETCH_THRESHOLD_AUTO:
+        return PREFETCH_THRESHOLD_AUTO
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and float(value).is_integer() and value >= 1):
+        return int(value)
+    raise ValueError(f"expected {PREFETCH_THRESHOLD_AUTO!r} (the cost model decides) or "
+                     "a number of tokens >= 1")
+
+
+def min_prefetch_blocks(threshold: int | str, block_size: int) -> int:
+    """Fewest blocks a hit needs to be fetched: a fixed threshold rounded up
+    to whole blocks; one block under ``auto`` (the cost model decides the rest)."""
+    if threshold == PREFETCH_THRESHOLD_AUTO:
+        return 1
+    assert isinstance(threshold, int), threshold
+    return max(1, -(-threshold // block_size))
 # Share of the L2 pages beyond L1 that prefetches in flight may hold
 # (SGLang's cap): the rest keeps serving hits and stores meanwhile.
 PREFETCH_L2_SHARE = 0.8

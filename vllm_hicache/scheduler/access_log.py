@@ -1,6 +1,6 @@
 """The access log (``hicache_access_log``): per request, when it arrived, its
 chain of block hashes, its prompt tokens and where its hit came from (L1, L2,
-L3), for the capacity planner (``python -m vllm_hicache.planner``).
+L3, and of L3 the node tier), for the capacity planner (``python -m vllm_hicache.planner``).
 
 The format is ``planner/log_format.py``'s. What the scheduler half pays, per
 request: a sampling decision, a tuple appended to a deque, no I/O, no
@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from vllm_hicache import io_threads
+from vllm_hicache.common.stats import overlap_blocks
 from vllm_hicache.planner.log_format import (
     ADMIT,
     ARRIVE,
@@ -110,8 +111,8 @@ class NullAccessLog:
         pass
 
     def admit(self, request: Request, l1_tokens: int, hit_tokens: int,
-              l3: L3Planner | None = None,
-              step: int = 0) -> None:
+              l3: L3Planner | None = None, step: int = 0,
+              l3_stages: dict[str, float] | None = None, direct_node_tokens: int = 0) -> None:
         pass
 
     def finish(self, request: Request, num_blocks_held: int, step: int = 0) -> None:
@@ -164,25 +165,35 @@ class AccessLogWriter(NullAccessLog):
 
     @_never_raises
     def admit(self, request: Request, l1_tokens: int, hit_tokens: int,
-              l3: L3Planner | None = None,
-              step: int = 0) -> None:
+              l3: L3Planner | None = None, step: int = 0,
+              l3_stages: dict[str, float] | None = None, direct_node_tokens: int = 0) -> None:
         """A request got its blocks in scheduler step ``step``: ``l1_tokens``
         from vLLM's cache, then ``hit_tokens`` from HiCache; ``l3`` (the
-        L3Planner) says which of those its own prefetch brought in."""
+        L3Planner) says which of those its own prefetch brought in, and
+        ``l3_stages`` where its wait for them went (seconds per stage,
+        l3/hit_stages.py); ``direct_node_tokens`` of them are loaded from the
+        node tier straight into L1 (scheduler/node_hits.py: no prefetch)."""
         req_id = request.request_id
         hashes = request.block_hashes
         seq = self._seq_of(request)
         if seq is None:
             return
         self._live[req_id] = (seq, len(hashes))
-        l3_tokens = 0
+        l3_tokens = node_tokens = 0
         fetched = l3.prefetched_range(req_id) if l3 is not None and hit_tokens else None
         if fetched is not None:
+            assert l3 is not None
             start = l1_tokens // self._block_size
             end = start + hit_tokens // self._block_size
-            l3_tokens = max(0, min(end, fetched[1]) - max(start, fetched[0])) * self._block_size
+            l3_tokens = overlap_blocks(fetched, start, end) * self._block_size
+            node_tokens = overlap_blocks(l3.node_range(req_id), start, end) * self._block_size
+        l3_tokens += direct_node_tokens
+        node_tokens += direct_node_tokens
+        stages_us = ({stage: round(s * 1e6) for stage, s in l3_stages.items()}
+                     if l3_stages and l3_tokens else None)
         self._put((ADMIT, self._now_ms(), seq, step, request.num_tokens, l1_tokens,
-                   hit_tokens - l3_tokens, l3_tokens, request.priority, hashes, len(hashes)))
+                   hit_tokens - l3_tokens, l3_tokens, request.priority, hashes, len(hashes),
+                   stages_us, node_tokens))
 
     @_never_raises
     def finish(self, request: Request, num_blocks_held: int, step: int = 0) -> None:
@@ -323,9 +334,9 @@ def _encode(item: tuple) -> bytes:
     if item[0] == ARRIVE:
         return encode_arrive(*item[1:])
     if item[0] == ADMIT:
-        _, t_ms, seq, step, tokens, l1, l2, l3, priority, hashes, n = item
+        _, t_ms, seq, step, tokens, l1, l2, l3, priority, hashes, n, stages_us, node = item
         return encode_admit(t_ms, seq, step, tokens, l1, l2, l3, priority,
-                            pack_chain(hashes[:n]))
+                            pack_chain(hashes[:n]), stages_us, node)
     _, t_ms, seq, step, held, hashes, lo, hi = item
     return encode_finish(t_ms, seq, step, held, pack_chain(hashes[lo:hi]))
 
@@ -344,9 +355,14 @@ def open_access_log(cfg: HiCacheConfig, geom: KVGeometry, num_pages: int,
         block_size=geom.block_size, page_bytes=geom.bytes_per_block, ranks=local_ranks,
         l1_blocks=geom.num_l1_blocks, l2_pages=num_pages,
         eviction_policy=cfg.radix_eviction_policy, write_policy=cfg.hicache_write_policy,
+        l2_admission=str(cfg.l2_admission()), l3_admission=str(cfg.hicache_l3_admission),
+        l3_mode=cfg.hicache_l3_mode.value,
         l3_backend=storage.backend if storage is not None else "",
         l3_prefetch_policy=storage.prefetch_policy if storage is not None else "",
-        l3_threshold_tokens=storage.prefetch_threshold if storage is not None else 0,
+        # 0 under "auto": the replay has no cost model and fetches any hit.
+        l3_threshold_tokens=(storage.prefetch_threshold
+                             if storage is not None and isinstance(storage.prefetch_threshold, int)
+                             else 0),
         l3_capacity_bytes=capacity if isinstance(capacity, int) else 0,
         l3_block_bytes=(HEADER_BYTES + geom.bytes_per_block) * l3_copies,
         sample=cfg.hicache_access_log_sample, started=time.time(),

@@ -25,7 +25,8 @@ and counts the decisions:
   seconds of ``load`` and ``prefetch``.
 - **Decisions** (``load_decisions`` series: tokens by tier and decision):
   ``L2`` when a request is admitted with an L2 hit (``loaded`` or
-  ``declined``); ``L3`` when a finished lookup under a waiting prefetch
+  ``declined``); ``node`` likewise for a node-tier hit loaded into L1
+  directly (scheduler/node_hits.py); ``L3`` when a finished lookup under a waiting prefetch
   policy is judged (``loaded``: the request waits for the prefetch;
   ``declined``: it does not, and computes; the prefetch still runs for later
   requests, and keeps the L3 estimate fresh).
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.v1.core.sched.output import SchedulerOutput
 
+# The decisions' tier name of node-tier hits loaded into L1 directly.
+TIER_NODE = "node"
 # Steps outstanding beyond this: the pairing is lost; start over.
 _MAX_OUTSTANDING = 8
 
@@ -83,11 +86,19 @@ class LoadGate:
     def load_l2(self, start: int, num_tokens: int, num_pages: int) -> bool:
         return self.decider.load_l2(start, num_tokens, num_pages)
 
+    def load_node(self, start: int, num_tokens: int, num_pages: int) -> bool:
+        """A node-tier hit loaded into L1 directly: a copy from host memory
+        by the same copy engines as an L2 hit's, so the L2 estimate judges it."""
+        return self.decider.load_l2(start, num_tokens, num_pages)
+
     def prefetch_l3(self, start: int, num_tokens: int, num_pages: int) -> bool:
         return self.decider.prefetch_l3(start, num_tokens, num_pages)
 
     def wants_l3_sample(self) -> bool:
         return self.decider.wants_l3_sample()
+
+    def observe_l3_latency(self, seconds: float) -> None:
+        self.decider.observe_l3_latency(seconds)
 
     def record(self, tier: str, loaded: bool, num_tokens: int) -> None:
         if num_tokens > 0:

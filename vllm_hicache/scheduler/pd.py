@@ -3,7 +3,7 @@
 Both kinds of instance run vLLM's ``MultiConnector`` with ``NixlConnector``
 first and HiCache second (docs/pd.md). HiCache's
 entry carries the instance's role in its ``kv_role``, like the NixlConnector
-entry next to it, and ``config.finish_config`` (its ``check_kv_role``) refuses
+entry next to it, and ``config_finish.finish_config`` (its ``check_kv_role``) refuses
 contradictions at start:
 
 - ``PREFILL`` (``kv_role="kv_producer"``): HiCache works as on a single
@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import enum
 
-from vllm_hicache.config import HiCacheConfig, check_kv_role
+from vllm_hicache.config import HiCacheConfig
+from vllm_hicache.config_finish import check_kv_role
 
 
 class PDRole(enum.Enum):

@@ -28,10 +28,18 @@ if TYPE_CHECKING:
 
 
 class Lookup(NamedTuple):
-    """A request's last lookup: vLLM's own hit, and the L2 pages after it."""
+    """A request's last lookup: vLLM's own hit, and the L2 pages after it
+    (and the pages an L3 read fills this step after those), or (no L2 page)
+    the node-tier blocks loaded directly after it. ``tier``: the load gate's
+    name for the hit's tier (load_gate.py)."""
 
     num_computed_tokens: int
     pages: list[int]
+    node_blocks: int = 0
+    tier: str = "L2"
+    # Pages of the request's same-step L3 prefetch offered behind the L2
+    # pages (l3/same_step.py).
+    l3_pages: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -52,8 +60,8 @@ class ReqState:
     # (vLLM may look a waiting request up several times: the last call wins;
     # None once used).
     lookup: Lookup | None = None
-    # L2 hit blocks the load gate declined at the last lookup (vLLM
-    # recomputes them), counted when the request is admitted.
+    # L2 (or node-tier) hit blocks the load gate declined at the last lookup
+    # (vLLM recomputes them), counted when the request is admitted.
     declined_blocks: int = 0
     # (L2, L3) tokens of the hit just admitted, until vLLM asks for them
     # (get_external_cache_hit_sources); None when not loaded or asked already.

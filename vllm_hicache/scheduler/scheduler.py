@@ -1,7 +1,9 @@
 """Scheduler half: owns the HiRadixTree and every L2 decision.
 
-Runs in EngineCore. It never touches KV bytes and never waits on I/O; it
-emits per-step operations (``HiCacheMetadata``) that the workers execute.
+Runs in EngineCore. It never touches KV bytes and never waits on I/O beyond
+a bounded moment for L3 lookups to answer (l3/planner.py, at most 2 ms a
+step; the workers as long for prefetches a request waits on: l3/report_wait.py);
+it emits per-step operations (``HiCacheMetadata``) that the workers execute.
 
 Page lifetime (ranges in blocks of one request)::
 
@@ -18,7 +20,10 @@ same step can never evict a page a copy still uses; when every page is
 pinned, a store simply stores less. Tree mutations that can evict (alloc)
 happen only in build_connector_meta and reset_cache, never between a lookup
 and its update_state_after_alloc, so a page reported as a hit is still there
-when it is pinned. A copy the workers report as failed takes its page (and
+when it is pinned (a same-step L3 read, l3/same_step.py, allocates inside a
+lookup, before that request's own match: vLLM pairs each lookup with its
+update_state_after_alloc in one iteration, so every earlier hit is pinned by
+then). A copy the workers report as failed takes its page (and
 what hangs below it) out of the index, so it is never a hit again.
 """
 
@@ -35,26 +40,35 @@ from vllm_hicache.common.jobs import (
     BackupJob,
     BlockPage,
     LoadJob,
+    NodeLoadJob,
+    SameStepLoad,
     StorageCommand,
     merge_copies,
 )
+from vllm_hicache.common.node_counts import InstanceNodeCounts
 from vllm_hicache.common.page_ops import OpKind, PageOp, PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
-from vllm_hicache.common.stats import HiCacheStats, SchedulerReport, key
+from vllm_hicache.common.stats import HiCacheStats, SchedulerReport, key, overlap_blocks
 from vllm_hicache.config import HiCacheConfig, LoadMode
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
-from vllm_hicache.connector.metadata import HiCacheMetadata
-from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_has_block
+from vllm_hicache.connector.metadata import HiCacheMetadata, HiCacheWorkerMetadata
+from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_block_id, l1_has_block
 from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import loadable_block_limit
+from vllm_hicache.l3 import same_step
 from vllm_hicache.l3.planner import L3Planner, PlannerContext
 from vllm_hicache.policy import make_eviction_policy
+from vllm_hicache.policy.same_step import check_same_step_policy
+from vllm_hicache.policy.stop_budget import stop_budget
 from vllm_hicache.policy.write import WritePolicy, WritePolicyName, hit_counter_slots
 from vllm_hicache.scheduler.access_log import open_access_log
+from vllm_hicache.scheduler.graceful_stop import GracefulStop
 from vllm_hicache.scheduler.group_blocks import GroupBlocks
+from vllm_hicache.scheduler.hit_timer import HitStageTimer
 from vllm_hicache.scheduler.inflight import InflightLoads
 from vllm_hicache.scheduler.load_gate import LoadGate
+from vllm_hicache.scheduler.node_hits import NodeHits, gated_lookup, node_hits_for
 from vllm_hicache.scheduler.pd import loads_hits
 from vllm_hicache.scheduler.request_params import (
     DEFAULT_CONTROLS,
@@ -99,6 +113,8 @@ class StepCommands(Protocol):
 
     def on_acks(self, acks: Mapping[int, Mapping[int, str]]) -> None: ...
 
+    def on_worker_meta(self, meta: HiCacheWorkerMetadata) -> None: ...
+
     def has_work(self) -> bool: ...
 
     def scratch_pages(self) -> set[int]: ...
@@ -136,6 +152,8 @@ class HiCacheScheduler:
         # False on a PD decode-offload instance (pd.py): NixlConnector alone loads.
         self.serves_hits = loads_hits(cfg)
         self.stats = HiCacheStats()
+        # This instance's node tier page counts (common/node_counts.py).
+        self.node_counts = InstanceNodeCounts()
         # The one record per request (request_state.py): made by _record,
         # dropped by request_finished.
         self._reqs: dict[str, ReqState] = {}
@@ -147,6 +165,10 @@ class HiCacheScheduler:
         self._pending_since = time.monotonic()
         self._step_loads: list[LoadJob] = []
         self._step_async_loads: list[LoadJob] = []
+        self._step_node_loads: list[NodeLoadJob] = []
+        self._step_same_step: list[SameStepLoad] = []
+        # Node-tier hits loaded into L1 directly (node_hits.py), per planner.
+        self._node_hits: tuple[object, NodeHits | None] = (None, None)
         self._inflight = InflightLoads()
         self._evict_copies: list[WriteBackCopy] = []
         # STORE ops of the write-backs in _evict_copies, not yet emitted.
@@ -157,13 +179,15 @@ class HiCacheScheduler:
         self.page_states = PageStates(self.num_pages) if geom.mamba_groups else None
         self.stores = L2StorePlanner(
             self.tree, self.ops, self._groups,
-            WritePolicy(cfg.hicache_write_policy, hit_counter_slots(self.num_pages)), self.stats,
+            WritePolicy(cfg.hicache_write_policy, hit_counter_slots(self.num_pages),
+                        cfg.l2_admission(), self.block_size), self.stats,
             self.page_states, self.block_size, EventLog(False, self.block_size))
         # hicache_load_decision (load_gate.py): its estimators.
         self.load_gate = LoadGate(cfg.hicache_load_decision, geom.bytes_per_block)
         # What the L3 planner acts on (its own and a runtime attach's).
         self._l3_ctx = PlannerContext(self.tree, self.ops, self.stores.alloc_protecting,
-                                      self.load_gate, self.stores.events)
+                                      self.load_gate, self.stores.events,
+                                      self._admits_same_step(cfg.storage))
         self._l3: L3Planner | None = (l3_factory(self.num_pages, self.page_states, self._l3_ctx)
                                       if l3_factory else None)
         # Runtime attach/detach of L3 (admin API): install_commands.
@@ -172,6 +196,25 @@ class HiCacheScheduler:
         self._param_warned_at = -_PARAM_WARN_INTERVAL_S
         # hicache_access_log, for the capacity planner (a no-op when off).
         self.access_log = open_access_log(cfg, geom, self.num_pages, local_ranks)
+        # Where the wait of each L3 hit went (l3/hit_stages.py), for metrics.
+        self.hit_timer = HitStageTimer()
+        # vLLM's graceful stop (graceful_stop.py); the connector gives it
+        # vLLM's stop flag and budget, inert until then.
+        self.graceful_stop = GracefulStop(stop_budget(0, 0), None)
+
+    def _admits_same_step(self, storage) -> bool:
+        """Can this engine admit an L3 hit in the step its read is sent
+        (l3/same_step.py)? Refuses the option where it cannot."""
+        self.check_storage(storage)
+        return not self.load_async and not self._groups.hybrid and self.page_states is None
+
+    def check_storage(self, storage) -> None:
+        """Raise ValueError if this engine cannot serve ``storage``'s
+        options as given (an admin attach or policy update asks first)."""
+        if storage is not None:
+            check_same_step_policy(storage.same_step_read_wait_ms, storage.prefetch_policy)
+        same_step.check_engine(storage, self.load_async,
+                               self._groups.hybrid or self.page_states is not None)
 
     @property
     def events(self) -> EventLog:
@@ -203,6 +246,8 @@ class HiCacheScheduler:
         """Plan nothing more for L3; the planner that was attached (its
         owner closes it once every rank has dropped its client)."""
         planner, self._l3 = self._l3, None
+        if planner is not None:
+            planner.release_l2()  # exclusive L3's holds would pin L2 forever
         return planner
 
     def install_commands(self, commands: StepCommands) -> None:
@@ -222,7 +267,8 @@ class HiCacheScheduler:
         """Switch the write policy (its hit counts start afresh)."""
         if name == self.stores.write_policy.name:
             return
-        self.stores.write_policy = WritePolicy(name, hit_counter_slots(self.num_pages))
+        self.stores.write_policy = WritePolicy(name, hit_counter_slots(self.num_pages),
+                                               self.cfg.l2_admission(name), self.block_size)
         self.cfg = dataclasses.replace(self.cfg, hicache_write_policy=WritePolicyName(name))
 
     def occupancy(self) -> dict[str, int]:
@@ -247,7 +293,11 @@ class HiCacheScheduler:
     ) -> tuple[int | None, bool]:
         if not self.serves_hits:
             return 0, False
-        if self.l3 is not None and self.l3.must_wait(request.request_id):
+        node = self._node_hit(request, num_computed_tokens)
+        if node is not None:  # loaded as an L2 hit is: in the step unless async
+            return node, self.load_async and node > 0
+        if self.l3 is not None and self.l3.must_wait(request.request_id,
+                                                     num_computed_tokens // self.block_size):
             return None, False  # per the prefetch policy: ask again later
         pages = self._hit_pages(request, num_computed_tokens)
         state = self._record(request)
@@ -255,23 +305,72 @@ class HiCacheScheduler:
         # that lets the request in (the last call wins).
         state.lookup = Lookup(num_computed_tokens, pages)
         controls = state.controls
-        if pages:
-            cap = controls.load_block_cap(self.block_size) if controls.loads_l2 else 0
-            if cap is not None:
-                pages = pages[:cap]
+        cap = controls.load_block_cap(self.block_size) if controls.loads_l2 else 0
+        if pages and cap is not None:
+            pages = pages[:cap]
         if self.page_states is not None:
             pages = pages[: self.page_states.usable(pages)]  # a hit ends on a kept state
-        if not pages:
+        start = num_computed_tokens // self.block_size
+        l3_pages = self._same_step_pages(request, start, len(pages), cap)
+        if not l3_pages and self.l3 is not None and self.l3.same_step_pages(request.request_id):
+            return None, False  # its read cannot join this load: wait for it, as before
+        state.lookup = state.lookup._replace(l3_pages=l3_pages)
+        if not pages and not l3_pages:
             return 0, False
-        if not self.load_gate.load_l2(num_computed_tokens, len(pages) * self.block_size,
-                                      len(pages)):
+        num_hit = len(pages) + len(l3_pages)  # judged whole, as once it is all in L2
+        if not self.load_gate.load_l2(num_computed_tokens, num_hit * self.block_size, num_hit):
             state.declined_blocks = len(pages)  # vLLM recomputes them
             return 0, False
         state.declined_blocks = 0
-        start = num_computed_tokens // self.block_size
         if self._inflight.overlaps(request.block_hashes[start : start + len(pages)]):
             return None, False  # ask again once that load has landed
-        return len(pages) * self.block_size, self.load_async
+        return (len(pages) + len(l3_pages)) * self.block_size, self.load_async
+
+    def _same_step_pages(self, request: Request, start: int, num_l2: int,
+                         cap: int | None) -> tuple[int, ...]:
+        """Pages an L3 read sent this step fills right behind the L2 hit
+        (l3/same_step.py), within the request's load cap."""
+        if self.l3 is None or not self._l3_ctx.same_step:
+            return ()
+        pages = self.l3.same_step_pages(request.request_id, start + num_l2)
+        limit = loadable_block_limit(request.num_tokens, self.block_size) - start - num_l2
+        if cap is not None:
+            limit = min(limit, cap - num_l2)
+        return tuple(pages[: max(0, limit)])
+
+    def _node_hit(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens of a node-tier hit to load into L1 directly (node_hits.py),
+        0 when the load gate declined it; None when the request has an L2
+        hit or the tier has none."""
+        hits = self._node_hits_now()
+        if hits is None or self._hit_pages(request, num_computed_tokens):
+            return None
+        state = self._record(request)
+        if not state.controls.loads_l2:
+            return None
+        start = num_computed_tokens // self.block_size
+        end = loadable_block_limit(request.num_tokens, self.block_size)
+        cap = state.controls.load_block_cap(self.block_size)
+        if cap is not None:
+            end = min(end, start + cap)
+        found = hits.prefix(request.block_hashes[start:end]) if end > start else 0
+        if not found:
+            return None
+        state.lookup, state.declined_blocks = gated_lookup(
+            self.load_gate, num_computed_tokens, found, self.block_size)
+        assert self.l3 is not None
+        self.l3.forget(request.request_id)  # not staged through L2 as well
+        return state.lookup.node_blocks * self.block_size
+
+    def _node_hits_now(self) -> NodeHits | None:
+        planner = self.l3
+        if planner is None:
+            return None
+        if self._node_hits[0] is not planner:  # attached, replaced or detached since
+            self._node_hits = (planner, node_hits_for(
+                planner.backend, planner.namespaces, self.cfg.hicache_mem_layout,
+                planner.cfg.encrypt, self.page_states is not None, self._groups.hybrid))
+        return self._node_hits[1]
 
     def _hit_pages(self, request: Request, num_computed_tokens: int) -> list[int]:
         start = num_computed_tokens // self.block_size
@@ -295,21 +394,44 @@ class HiCacheScheduler:
         declined = 0
         if num_blocks == 0:
             declined, state.declined_blocks = state.declined_blocks, 0
-        self.load_gate.record("L2", True, num_external_tokens)
-        self.load_gate.record("L2", False, declined * self.block_size)
+        l2_end = min(end, start + len(looked_up.pages))  # the rest: a same-step L3 read
+        loaded = (num_external_tokens if looked_up.node_blocks
+                  else (l2_end - start) * self.block_size)
+        self.load_gate.record(looked_up.tier, True, loaded)
+        self.load_gate.record(looked_up.tier, False, declined * self.block_size)
         # A use of the whole hit, L1 part (and a declined L2 hit) included: a
         # prefix vLLM keeps serving from its own cache must not age out of L2.
         self.tree.touch(request.block_hashes, end + declined, priority=-request.priority)
         if self.l3 is not None:
             self.l3.note_use(request.block_hashes[: end + declined])
-        self.access_log.admit(request, local, num_external_tokens, self.l3, self._step)
+        if looked_up.l3_pages and l2_end < end:  # read in this step (l3/same_step.py)
+            assert self.l3 is not None, req_id
+            self._step_same_step.append(
+                self.l3.claim_same_step(req_id, blocks.get_block_ids()[0][l2_end:end]))
+        stages = self._l3_hit_stages(req_id, start, end)
+        self.access_log.admit(request, local, num_external_tokens, self.l3, self._step,
+                              stages, num_external_tokens if looked_up.node_blocks else 0)
         if num_blocks == 0:
             return
-        pages = looked_up.pages[:num_blocks]
+        if looked_up.node_blocks:
+            self._admit_node_load(state, blocks, start, end)
+            return
+        if stages is not None:
+            self.hit_timer.admitted(req_id, stages, self._step, self.load_async)
+        if l2_end > start:
+            self._load_l2(request, blocks.get_block_ids(), start, l2_end,
+                          looked_up.pages[: l2_end - start])
+        self.stats.record_load(num_blocks)
+        self._record_hit_tiers(state, start, end)
+
+    def _load_l2(self, request: Request, group_ids, start: int, end: int,
+                 pages: list[int]) -> None:
+        """Blocks [start, end) of the request from their L2 ``pages``: a
+        pinned LOAD (or ASYNC_LOAD) op and its job."""
+        req_id = request.request_id
         # No eviction can run between the lookup and here (see module doc).
-        assert len(pages) == num_blocks, (req_id, len(pages), num_blocks)
+        assert len(pages) == end - start, (req_id, len(pages), end - start)
         hashes = request.block_hashes[:end]
-        group_ids = blocks.get_block_ids()
         block_ids = group_ids[0][start:end]
         kind = OpKind.ASYNC_LOAD if self.load_async else OpKind.LOAD
         rng = PinnedRange(tuple(hashes), tuple(range(start, end)), tuple(pages))
@@ -320,8 +442,33 @@ class HiCacheScheduler:
             self._inflight.start(req_id, op, hashes[start:])
         else:
             self._step_loads.append(job)
-        self.stats.record_load(num_blocks)
-        self._record_hit_tiers(state, start, end)
+
+    def _admit_node_load(self, state: ReqState, blocks: KVCacheBlocks, start: int,
+                         end: int) -> None:
+        """Blocks [start, end) come from the node tier straight into L1:
+        counted as L3 hits, no L2 page or op (a failure is a load error)."""
+        request = state.request
+        block_ids = blocks.get_block_ids()[0][start:end]
+        self._step_node_loads.append(NodeLoadJob(
+            request.request_id, tuple(request.block_hashes[start:end]), tuple(block_ids),
+            in_step=not self.load_async))
+        self.stats.record_load(end - start)
+        tiers = (0, (end - start) * self.block_size)
+        self.stats.record_hit_tokens(*tiers)
+        self.stats.hit_tokens_node += tiers[1]
+        state.hit_tokens_by_tier = tiers
+        # The machine holds them once, in the tier: not stored to L2 again
+        # (a failed load lowers num_computed_tokens, and they are reconsidered).
+        state.num_planned = max(state.num_planned, end)
+
+    def _l3_hit_stages(self, req_id: str, start: int, end: int) -> dict[str, float] | None:
+        """The wait of a request admitted now with blocks [start, end) of which
+        its own L3 prefetch brought some, per stage; else None."""
+        fetched = self.l3.prefetched_range(req_id) if self.l3 is not None else None
+        if fetched is None or min(end, fetched[1]) <= max(start, fetched[0]):
+            return None
+        assert self.l3 is not None
+        return self.l3.hit_stages(req_id, time.monotonic())
 
     def _record_hit_tiers(self, state: ReqState, start: int, end: int) -> None:
         """Split the hit [start, end) into what was in L2 and what this
@@ -333,6 +480,9 @@ class HiCacheScheduler:
             l3_blocks = max(0, min(end, fetched[1]) - max(start, fetched[0]))
         tiers = ((end - start - l3_blocks) * self.block_size, l3_blocks * self.block_size)
         self.stats.record_hit_tokens(*tiers)
+        if l3_blocks and self.l3 is not None:  # of the L3 part: from the node tier
+            node = self.l3.node_range(state.request.request_id)
+            self.stats.hit_tokens_node += overlap_blocks(node, start, end) * self.block_size
         state.hit_tokens_by_tier = tiers
 
     def hit_tiers(self, req_id: str, num_tokens: int) -> dict[str, int]:
@@ -354,6 +504,7 @@ class HiCacheScheduler:
         # Building step N acknowledges step N-1 (see page_ops.py).
         self.ops.close_step(self._step)
         track_scheduled(self._reqs, scheduler_output)
+        self._write_back_at_stop()
         self._plan_write_backs()
         evict, self._evict_copies, self._evict_ops = self._evict_copies, [], []
         store_pairs = self.stores.advance(self._reqs, scheduler_output, self._step)
@@ -362,21 +513,32 @@ class HiCacheScheduler:
             loads=self._step_loads,
             async_loads=self._step_async_loads,
             stores=merge_copies(store_pairs),
+            node_loads=self._step_node_loads,
+            same_step_loads=self._step_same_step,
         )
-        self._step_loads, self._step_async_loads = [], []
+        self._step_loads, self._step_async_loads, self._step_node_loads = [], [], []
+        self._step_same_step = []
         self.stats.record_store(len(evict))  # store_range counts its pages
         stored = self.stores.take_stored_ranges()
+        if self.l3 is not None:
+            self.l3.begin_step()  # the breaker's answer, for this step
         backs_up = self.l3 is not None  # before a command attaches or detaches L3
         if self.storage_control is not None:  # admin commands run here, between steps
             meta.storage_command = self.storage_control.on_step(
                 len(scheduler_output.num_scheduled_tokens))
         if self.l3 is not None:
-            meta.backups = self.l3.plan_backups(stored if backs_up else [], self._step)
-            if self.storage_control is not None:
-                meta.backups += self.storage_control.plan_backfill(self._step)
+            self.graceful_stop.poll(self.l3)
+            meta.backups = self.l3.plan_backups(stored if backs_up else [], self._step,
+                                                self.graceful_stop.pick(self.l3))
             meta.prefetches = self.l3.plan_prefetches()
+            meta.prefetch_wait_s = self.l3.report_wait_s()
+        # Also a replaced backend's last backups; paused while the breaker is not closed.
+        if self.storage_control is not None and (self.l3 is None or self.l3.usable):
+            meta.backups += self.storage_control.plan_backfill(self._step)
         self._step += 1
-        self.load_gate.step_planned(scheduler_output, bool(meta.loads or meta.evict_stores))
+        in_step_copies = meta.loads or meta.evict_stores or meta.same_step_loads or any(
+            job.in_step for job in meta.node_loads)
+        self.load_gate.step_planned(scheduler_output, bool(in_step_copies))
         return meta
 
     # --- completions, lifecycle ------------------------------------------
@@ -390,11 +552,16 @@ class HiCacheScheduler:
             op = self._inflight.finish(req_id)
             if op is not None:
                 self.ops.close(op)
+        self.hit_timer.step_done(output.finished_recving or ())
         meta = output.kv_connector_worker_meta
+        if meta is not None and meta.node_tier_counts:
+            self.node_counts.on_report(meta.node_tier_counts)
         if self.l3 is not None and meta is not None:
             self.l3.on_worker_meta(meta)
-        if self.storage_control is not None and meta is not None and meta.storage_acks:
-            self.storage_control.on_acks(meta.storage_acks)
+        if self.storage_control is not None and meta is not None:
+            self.storage_control.on_worker_meta(meta)  # a replaced backend's late reports
+            if meta.storage_acks:
+                self.storage_control.on_acks(meta.storage_acks)
         failed_pages = meta.failed_store_pages if meta is not None else set()
         if output.invalid_block_ids or failed_pages:
             self._drop_failed(set(output.invalid_block_ids or ()), failed_pages)
@@ -493,6 +660,7 @@ class HiCacheScheduler:
         # vLLM itself delays freeing the blocks of such a request.
         req_id = request.request_id
         state = self._reqs.pop(req_id, None)  # the one place a record is dropped
+        self.hit_timer.forget(req_id)
         self.access_log.finish(request, len(block_ids), self._step)
         if self.l3 is not None:
             self.l3.forget(req_id)
@@ -517,6 +685,17 @@ class HiCacheScheduler:
         if write_back is not None:
             self._evict_copies += write_back.plan(
                 self.tree, self._alloc_write_back, self._pin_write_back)
+
+    def _write_back_at_stop(self) -> None:
+        """A graceful stop's first step: under write-back with an L3, what
+        only L1 holds goes to L2 in this step, then to L3 (graceful_stop.py)."""
+        stop = self.graceful_stop
+        stop.poll(self.l3)
+        write_back, pool = self.stores.write_back, self._block_pool
+        if stop.first_step() and write_back is not None and pool is not None \
+                and self.l3 is not None:
+            stop.count_from_l1(write_back.write_back_tracked(
+                lambda block_hash: l1_block_id(pool, block_hash)))
 
     def _alloc_write_back(self, chain: Sequence[bytes], num_matched: int,
                           num_pages: int) -> list[int] | None:
@@ -547,7 +726,14 @@ class HiCacheScheduler:
         and pins move on while no request runs. A store that makes no
         progress for ``STALLED_WORK_S`` stops keeping an idle engine busy
         (its acks then ride on the next request's steps). Admin commands
-        (admin/storage_control.py) keep it stepping too, each bounded by its own deadlines."""
+        (admin/storage_control.py) keep it stepping too, each bounded by its own deadlines.
+        During a graceful stop, pages only L2 holds keep it stepping too, until
+        the stop's flush time is up; after that nothing does (graceful_stop.py)."""
+        stop = self.graceful_stop
+        stop.poll(self.l3)
+        return stop.keeps_engine_busy(self._has_pending_work() or stop.has_l2_only(self.l3))
+
+    def _has_pending_work(self) -> bool:
         if self.storage_control is not None and self.storage_control.has_work():
             return True
         pending = self._awaits_io()
@@ -559,9 +745,10 @@ class HiCacheScheduler:
 
     # --- metrics and events ------------------------------------------------
 
-    def stats_report(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Counter increments since the last report and the gauges that
-        changed (stats.py), for get_kv_connector_stats."""
+    def stats_report(self) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
+        """Counter increments since the last report, the gauges that
+        changed (stats.py) and the histograms' observations, for
+        get_kv_connector_stats."""
         tree = self.tree
         gauges = {
             key("l2_pages_used"): self.num_pages - tree.num_free_pages,
@@ -571,9 +758,13 @@ class HiCacheScheduler:
         }
         if self.l3 is not None:
             gauges[key("backup_backlog_blocks")] = self.l3.backlog.num_blocks
-        return self._report.take(self.stats, self.l3, gauges,
-                                 {key("kv_events_dropped"): self.events.dropped,
-                                  **self.load_gate.counter_samples()})
+            gauges[key("l3_breaker_state")] = self.l3.breaker_gauge()
+        counters, changed = self._report.take(
+            self.stats, self.l3, gauges, {key("kv_events_dropped"): self.events.dropped,
+                                          **self.load_gate.counter_samples(),
+                                          **self.node_counts.own_samples(
+                                              self.l3.backend if self.l3 is not None else None)})
+        return counters, changed, self.hit_timer.take()
 
     def take_events(self) -> list[Any]:
         return self.events.take()
@@ -583,6 +774,8 @@ class HiCacheScheduler:
         half (tests and debugging; O(L2 size))."""
         self.tree.check_integrity()
         problems = self.ops.check()
+        if self.l3 is not None:
+            problems += self.l3.check()
         async_ops = {op.req_id for op in self.ops.live(OpKind.ASYNC_LOAD)}
         if async_ops != self._inflight.req_ids():
             problems.append(f"async loads in flight {sorted(self._inflight.req_ids())} "
@@ -599,12 +792,17 @@ class HiCacheScheduler:
 
     def shutdown(self) -> None:
         self.access_log.close()
+        line = self.graceful_stop.final_line(self.l3)
+        if line is not None:
+            logger.info("%s", line)
         if self.l3 is not None:
             self.l3.close()
 
     def reset_cache(self) -> bool:
         """Drop L2 (``reset_prefix_cache(reset_connector=True)``); pinned
         pages stay until their operations end."""
+        if self.l3 is not None:
+            self.l3.release_l2()  # held pages must go with the rest
         self.events.removed(MEDIUM_L2, self.tree.clear())
         self.stores.write_policy.clear()
         if self.stores.write_back is not None:

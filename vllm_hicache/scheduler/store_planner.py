@@ -125,7 +125,10 @@ class L2StorePlanner:
         want = match.missing(lo, hi)
         if groups.hybrid:
             want = [i for i in want if groups.holds_attention(state, i)]
-        want = self.write_policy.select(hashes, want)
+        admitted = self.write_policy.select(hashes, want)
+        self.stats.record_store_declined(str(self.write_policy.rule.kind),
+                                         len(want) - len(admitted))
+        want = admitted
         if not want:
             return []
         pages = self.alloc_up_to_protecting(hashes, match.num_blocks, len(want))

@@ -167,6 +167,38 @@ class WriteBackWatcher:
             self._leave_l1(block_hash, parent, in_l2)  # type: ignore[arg-type]
         return copies
 
+    def write_back_tracked(self, l1_block_id: Callable[[bytes], int | None]) -> int:
+        """Queue every tracked block still in L1 for the next ``plan``, as if
+        vLLM were about to reuse it: a graceful stop (graceful_stop.py) keeps
+        what only L1 holds. Shallow blocks first (L3 lookups reach a chain
+        from its start), then the most recently observed; ``l1_block_id(h)``
+        is the L1 block caching ``h`` now, None if it left L1 (a relay).
+        Returns the blocks queued."""
+        depth: dict[bytes, int] = {}
+
+        def depth_of(h: bytes) -> int:
+            walked: list[bytes] = []
+            cur: bytes | None = h
+            while cur is not None and cur not in depth and len(walked) <= len(self._parent):
+                walked.append(cur)
+                cur = self._parent.get(cur)  # a missing link ends the walk
+            d = depth.get(cur, 0) if cur is not None else 0
+            for w in reversed(walked):
+                d += 1
+                depth[w] = d
+            return depth[h]
+
+        recency = {h: i for i, h in enumerate(self._order)}
+        tracked = sorted(self._order.keys() | self._parked.keys(),
+                         key=lambda h: (depth_of(h), -recency.get(h, -1)))
+        queued = 0
+        for block_hash in tracked:
+            block_id = l1_block_id(block_hash)
+            if block_id is not None:
+                self._evicted.append((block_hash, block_id))
+                queued += 1
+        return queued
+
     def check_invariants(self) -> None:
         """Raise RuntimeError, with the numbers, if an invariant is broken."""
         tracked = self._order.keys() | self._parked.keys()

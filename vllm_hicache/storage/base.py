@@ -91,6 +91,12 @@ class StorageBackend(ABC):
         """Counters for logs/metrics; default: none."""
         return {}
 
+    def take_removed_keys(self) -> list[str]:
+        """Keys of objects removed since the last call, known exactly: ones
+        this client evicted itself, or the store reported removing. For
+        KV events (l3/removals.py); default: none known."""
+        return []
+
     @abstractmethod
     def close(self) -> None:
         """Release connections and threads; idempotent."""

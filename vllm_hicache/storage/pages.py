@@ -35,7 +35,9 @@ length, protection, checksum/MAC/tag); the result is the number of leading
 pages read successfully (a prefix: L2 stays prefix-closed). An object that
 the backend returned but that does not verify (corrupt, forged, or written
 with another secret) is a miss, counted in ``invalid_objects`` and logged at
-most once a minute.
+most once a minute. The seconds spent opening objects are kept per calling
+thread (``take_check_seconds``), so the L3 reader can tell checking from
+reading (l3/hit_stages.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -108,6 +111,8 @@ class PageStore:
         self._counts = Counters("invalid_objects")
         self._invalid_log = LogThrottle()
         self._scratch = threading.local()
+        # Per calling thread: seconds spent opening objects since its last take.
+        self._check_s = threading.local()
         # Objects per page, in the order of this rank's heads.
         self._spaces = ns.page_namespaces()
         self._per_page = len(self._spaces)
@@ -124,6 +129,11 @@ class PageStore:
             self._pool_bytes = _as_bytes(pool.buffer)
             assert self._pool_bytes.nbytes == pool.num_pages * pool.bytes_per_page
             backend.register_memory(self._pool_bytes)
+
+    @property
+    def objects_per_page(self) -> int:
+        """1, or the head slices each page is cut into."""
+        return self._per_page
 
     @property
     def payload_bytes(self) -> int:
@@ -186,6 +196,12 @@ class PageStore:
             self._scatter(pages[:good_pages], payloads[:good_pages * self._per_page])
         return good_pages
 
+    def take_check_seconds(self) -> float:
+        """Seconds this thread's reads spent opening objects since its last take."""
+        total = getattr(self._check_s, "total", 0.0)
+        self._check_s.total = 0.0
+        return total
+
     @property
     def invalid_objects(self) -> int:
         return self._counts["invalid_objects"]
@@ -223,8 +239,11 @@ class PageStore:
             sealed = [state_sealed_key(k, flag) for k, flag in zip(keys, with_state)]
         else:
             sealed = keys
+        check_started = time.perf_counter()
         opened = self._each(n, lambda i: self.codec.open(
             sealed[i], headers[i], bodies[i], payloads[i], scratch[i]))
+        self._check_s.total = (getattr(self._check_s, "total", 0.0)
+                               + time.perf_counter() - check_started)
         for i, ok in enumerate(opened):
             if not ok:
                 self._note_invalid(keys[i])

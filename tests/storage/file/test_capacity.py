@@ -76,3 +76,19 @@ def test_rescan_removes_stale_temp_files(build, root):
     os.utime(stale, (1e9, 1e9))
     assert b.put(keys(3), [obj(i) for i in range(3)]) == [True, True, False]  # rescans
     assert not stale.exists() and fresh.exists()
+
+
+def test_evicted_keys_are_told_exactly_once_and_not_once_back(build, root):
+    """For exact KV events: the keys the LRU unlinked, each once; a key
+    committed again before it is taken is back in the store: not told."""
+    b = build(max_bytes=2 * OBJECT_BYTES)
+    ks = keys(4)
+    assert b.put(ks[:2], [obj(0), obj(1)]) == [True, True]
+    assert b.take_removed_keys() == []
+    assert b.put([ks[2]], [obj(2)]) == [True]        # evicts ks[0]
+    assert b.put([ks[3]], [obj(3)]) == [True]        # evicts ks[1]
+    assert b.put([ks[0]], [obj(0)]) == [True]        # ks[0] back; evicts ks[2]
+    told = b.take_removed_keys()
+    assert told == [ks[1], ks[2]]
+    assert all(b.exists_prefix([k]) == 0 for k in told)  # really gone
+    assert b.take_removed_keys() == []

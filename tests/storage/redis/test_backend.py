@@ -313,3 +313,51 @@ def test_server_starting_late_is_waited_for(tmp_path):
     finally:
         timer.join(timeout=20)
         srv.kill()
+
+
+def test_keys_the_server_evicts_are_told_exactly(own_server):
+    """With maxmemory and keyspace notifications on, the scheduler's client
+    hears exactly the objects the server evicted (for KV events)."""
+    from vllm_hicache.storage.base import StorageContext
+    from vllm_hicache.storage.redis.backend import RedisBackend
+
+    srv = own_server("--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru",
+                     "--notify-keyspace-events", "Exe")
+    opts = {"url": srv.url, "key_prefix": "ev:"}
+    listener = RedisBackend(opts, StorageContext("scheduler", 0, 1, 64 + BIG))
+    writer = RedisBackend(opts, StorageContext("worker", 0, 1, 64 + BIG))
+    try:
+        assert listener._watcher.subscribed.wait(10) and listener._watcher.server_notifies
+        assert writer.take_removed_keys() == []  # workers do not listen
+        ks = [f"k{i:04d}" for i in range(4 * (2 << 20) // BIG)]  # four times maxmemory
+        for i in range(0, len(ks), 8):
+            writer.put(ks[i:i + 8], [big_obj(j) for j in range(i, min(i + 8, len(ks)))])
+        gone = [k for k in ks if not writer.exists_prefix([k])]
+        assert gone, "the server evicted nothing"
+        told: list[str] = []
+        deadline = time.monotonic() + 10
+        while set(told) != set(gone) and time.monotonic() < deadline:
+            told += listener.take_removed_keys()
+            time.sleep(0.05)
+        assert sorted(told) == sorted(gone)
+    finally:
+        listener.close()
+        writer.close()
+
+
+def test_a_server_without_notifications_is_named_once(own_server, caplog):
+    from vllm_hicache.storage.base import StorageContext
+    from vllm_hicache.storage.redis.backend import RedisBackend
+    from vllm_hicache.storage.redis.removals import notifies_removals
+
+    assert notifies_removals("Exe") and notifies_removals("AE") and notifies_removals("KEA")
+    assert not any(map(notifies_removals, ("", "Ee", "Kex")))
+    srv = own_server()
+    with caplog.at_level("WARNING"):
+        b = RedisBackend({"url": srv.url}, StorageContext("scheduler", 0, 1, 64 + BIG))
+        try:
+            assert b._watcher.subscribed.wait(10)
+            assert b._watcher.server_notifies is False
+        finally:
+            b.close()
+    assert "notify-keyspace-events" in caplog.text and "Exe" in caplog.text

@@ -1,7 +1,7 @@
 """The redis backend's transport security against real redis-server processes
 (loopback): an ACL user confined to our key prefix, a password read from a
 file, and TLS (``rediss://``) with a private CA and client certificates,
-generated here with ``cryptography``."""
+generated here with ``cryptography``, against one server and a cluster."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from tests.storage.conformance import empty, keys, make, obj, same
 from tests.storage.ports import free_port
+from tests.storage.redis.cluster_services import LocalCluster
 from tests.storage.redis.services import RedisServer
 from vllm_hicache.storage.redis.config import RedisConfig
 
@@ -177,6 +178,39 @@ def test_tls_with_client_certificates(tls_server, tmp_path):
     with pytest.raises(ConnectionError, match="redis backend"):
         make(("redis", {"url": f"redis://127.0.0.1:{tls_port}/0", "password": ALICE_PW,
                         "startup_wait_s": 0.0, "socket_timeout_s": 1.0}))
+
+
+def test_tls_cluster_every_node_verified(tmp_path):
+    """A Redis Cluster over TLS: the seed's TLS files and client certificate
+    reach every master the backend discovers (it only learns TLS ports)."""
+    pki = make_pki(tmp_path, "cluster")
+    try:
+        cluster = LocalCluster(tmp_path / "cluster", tls=pki).start()
+    except RuntimeError as err:
+        if "tls" in str(err).lower():
+            pytest.skip(f"this redis-server was built without TLS support: {err}")
+        raise
+    tls = {"tls_ca_file": pki["ca_cert"], "tls_cert_file": pki["client_cert"],
+           "tls_key_file": pki["client_key"]}
+    try:
+        spec = ("redis", {"url": cluster.tls_seed_url, "cluster": True, **tls})
+        round_trip(spec)
+        b = make(spec)
+        try:
+            ks = keys(30)
+            assert b.put(ks, [obj(i) for i in range(30)]) == [True] * 30
+            assert len({cluster.master_of(b"hicache:" + k.encode()) for k in ks}) == 3
+            targets = [empty() for _ in ks]
+            assert b.get(ks, targets) == [True] * 30
+            assert all(same(t, obj(i)) for i, t in enumerate(targets))
+        finally:
+            b.close()
+        other = make_pki(tmp_path, "other")
+        with pytest.raises(ConnectionError, match="redis backend: cannot reach any seed"):
+            make(("redis", {"url": cluster.tls_seed_url, "cluster": True, "startup_wait_s": 0.0,
+                            **tls, "tls_ca_file": other["ca_cert"]}))
+    finally:
+        cluster.kill()
 
 
 @pytest.mark.parametrize("options, match", [

@@ -32,7 +32,9 @@ Invariants:
   ``allow_shared_dir``: whoever can write the store can replace objects.
 - The directory checked at start is the one used until close: the root is
   held open and every path below it walked without following symlinks
-  (store_dir.py). A symlink, FIFO or device at an object's name is a miss.
+  (store_dir.py; the 256 first-level directories are held once walked, so a
+  write opens only its leaf). A symlink, FIFO or device at an object's name
+  is a miss.
 - I/O threads are daemons (DaemonPool) and ``close`` waits for them only
   briefly, so a hung mount can stall neither shutdown nor process exit.
 """
@@ -137,6 +139,10 @@ class FileBackend(StorageBackend):
     def clear(self) -> None:
         self._capacity.clear()
 
+    def take_removed_keys(self) -> list[str]:
+        """Objects this process's ``max_bytes`` LRU evicted (capacity.py)."""
+        return self._capacity.take_evicted()
+
     def stats(self) -> dict[str, float]:
         counts = self._counts.snapshot()
         counts["evictions"] = float(self._capacity.evictions)
@@ -182,19 +188,19 @@ class FileBackend(StorageBackend):
         finally:
             os.close(fd)
 
-    def _write_temp(self, key: str, buffers: Buffers) -> tuple[int, str] | None:
-        """Write the temp file of one object (not yet visible): (its leaf
-        directory's descriptor, for the caller to close; its name)."""
+    def _write_temp(self, key: str, buffers: Buffers, size: int) -> tuple[int, str, str] | None:
+        """Write the temp file of one object of ``size`` bytes (not yet
+        visible): (its leaf directory's descriptor, for the caller to close;
+        the temp file's name; the object's name)."""
         cfg = self.config
-        if not file_io.valid_key(key) or (
-                self._capacity.limited and total_bytes(buffers) > cfg.max_bytes):
+        if not file_io.valid_key(key) or (self._capacity.limited and size > cfg.max_bytes):
             return None
         parts, name = file_io.object_location(key)
         for attempt in range(2):
             leaf = self._store.open_dir(parts, cfg.dir_mode, self._umask)
             try:
                 return leaf, file_io.write_temp(leaf, name, buffers, cfg.fsync, cfg.file_mode,
-                                                self._umask)
+                                                self._umask, size), name
             except FileNotFoundError:  # directory removed behind our back: make it again
                 os.close(leaf)
                 if attempt:
@@ -206,22 +212,23 @@ class FileBackend(StorageBackend):
 
     def _write_one(self, key: str, buffers: Buffers) -> Pending | None:
         """A temp file for the capacity's commit to publish."""
-        written = self._write_temp(key, buffers)
+        size = total_bytes(buffers)
+        written = self._write_temp(key, buffers, size)
         if written is None:
             return None
-        leaf, tmp = written
+        leaf, tmp, _ = written
         os.close(leaf)
-        return Pending(key, tmp, total_bytes(buffers))
+        return Pending(key, tmp, size)
 
     def _put_one(self, key: str, buffers: Buffers) -> int | None:
         """Write and publish one object (no capacity: no shared lock); its
         bytes, or None: not stored."""
-        written = self._write_temp(key, buffers)
+        size = total_bytes(buffers)
+        written = self._write_temp(key, buffers, size)
         if written is None:
             return None
-        leaf, tmp = written
+        leaf, tmp, name = written
         try:
-            name = file_io.object_location(key)[1]
             try:
                 os.replace(tmp, name, src_dir_fd=leaf, dst_dir_fd=leaf)
             except OSError:
@@ -231,7 +238,7 @@ class FileBackend(StorageBackend):
                 os.fsync(leaf)
         finally:
             os.close(leaf)
-        return total_bytes(buffers)
+        return size
 
     def _commit(self, pending: list[Pending]) -> dict[str, bool]:
         try:

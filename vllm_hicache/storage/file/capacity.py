@@ -10,6 +10,11 @@ in step with the files and committed objects never exceed ``max_bytes``.
 Temp files being written are not counted: each process may have its
 in-flight batches on disk on top of ``max_bytes``.
 
+Evicted keys are kept (bounded, ``MAX_EVICTED_KEYS``) until taken, for
+exact ``BlockRemoved`` events (l3/removals.py): a key committed again
+before it is taken is dropped from them, as it is back in the store; both
+happen under the lock, so the order is exact for this process.
+
 LRU order is per process: an index of the objects this process wrote or
 read, oldest first. When it runs out of victims, the directory is rescanned
 (objects of every process, ordered by mtime; readers bump mtime on a hit)
@@ -52,6 +57,9 @@ USAGE_FILE = ".hicache-usage"
 _TOUCH_INTERVAL_NS = 1_000_000_000
 # No write takes this long: an older temp file is a crashed writer's.
 _STALE_TEMP_NS = 3600 * 1_000_000_000
+# Evicted keys waiting to be taken, at most; beyond, the oldest are dropped
+# (counted in evicted_untold: their removal events are lost, not wrong).
+MAX_EVICTED_KEYS = 1 << 16
 # close() gives a commit stuck on a hung mount this long before leaving the
 # usage file's descriptor to it.
 _CLOSE_WAIT_S = 1.0
@@ -81,6 +89,9 @@ class Capacity:
         self.usage_bytes = 0
         self.evictions = 0
         self.evicted_bytes = 0
+        # Evicted keys not yet taken (take_evicted), oldest first.
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self.evicted_untold = 0
 
     @property
     def limited(self) -> bool:
@@ -150,6 +161,20 @@ class Capacity:
         with self._index_lock:
             self._lru.pop(key, None)
             self._lru[key] = time.time_ns()
+            self._evicted.pop(key, None)  # back in the store
+
+    def _note_evicted(self, key: str) -> None:
+        with self._index_lock:
+            self._evicted[key] = None
+            if len(self._evicted) > MAX_EVICTED_KEYS:
+                self._evicted.popitem(last=False)
+                self.evicted_untold += 1
+
+    def take_evicted(self) -> list[str]:
+        """Keys evicted (and not committed again) since the last call."""
+        with self._index_lock:
+            keys, self._evicted = list(self._evicted), OrderedDict()
+        return keys
 
     def _oldest(self, protected: set[str]) -> str | None:
         with self._index_lock:
@@ -206,6 +231,7 @@ class Capacity:
             if size is None:  # evicted by another process already
                 continue
             usage -= size
+            self._note_evicted(key)
             self.evictions += 1
             self.evicted_bytes += size
         return usage

@@ -160,14 +160,17 @@ def create_file(dir_fd: int, name: str, mode: int, umask: int) -> int:
 
 
 def write_temp(dir_fd: int, final: str, buffers: Sequence[np.ndarray], fsync: bool,
-               mode: int = 0o600, umask: int = 0o022) -> str:
-    """Write ``buffers`` to a fresh temp file beside object file ``final`` in
-    ``dir_fd`` with permissions ``mode``; the temp file's name."""
+               mode: int = 0o600, umask: int = 0o022, expected: int | None = None) -> str:
+    """Write ``buffers`` (``expected`` bytes, if the caller knows) to a fresh
+    temp file beside object file ``final`` in ``dir_fd`` with permissions
+    ``mode``; the temp file's name."""
     unique = f"{_TEMP_PREFIX}{next(_temp_ids) & 0xFFFFFFFF:08x}"
     tmp = f".{final[: -len(OBJECT_SUFFIX)]}.{unique}.tmp"
     fd = create_file(dir_fd, tmp, mode, umask)
     try:
-        expected, done = total_bytes(buffers), os.writev(fd, buffers)
+        if expected is None:
+            expected = total_bytes(buffers)
+        done = os.writev(fd, buffers)
         while done < expected:  # short write: resume after what landed
             n = os.writev(fd, _advance(_views(buffers), done))
             if n <= 0:

@@ -19,9 +19,20 @@ Files are reached in one ``openat2`` call where the kernel has it
 (beneath.py: the same guarantees, one system call instead of one per path
 component); elsewhere by the walk.
 
-The root descriptor outlives ``close`` while an operation is still using it
-(a thread stuck on a hung mount): closing it under that thread could hand its
-number to another file, which the thread's next ``openat`` would then use.
+The first-level directories of deeper paths (the file backend's ``aa`` of
+``aa/bb``) are opened once, by the same walk, and held: a write then opens
+only its leaf below the held descriptor, one ``openat`` and ``close`` fewer
+per object. A held one found removed (no links left, or a stale NFS handle)
+is reopened from the root; one renamed within the root keeps receiving what
+is written below it until close (only whoever can write the root can rename
+it).
+
+The root descriptor, and the held ones, outlive ``close`` while an operation
+is still using them (a thread stuck on a hung mount): closing one under that
+thread could hand its number to another file, which the thread's next
+``openat`` would then use. For the same reason a held descriptor replaced
+after its directory was removed is closed only once no operation is in
+flight.
 """
 
 from __future__ import annotations
@@ -47,6 +58,11 @@ class StoreDir:
         self._users = 0
         self._closed = False
         self._lock = threading.Lock()
+        # First-level directories held open (name -> descriptor), and those
+        # replaced because their directory was removed (closed when no
+        # operation is in flight, as only one in flight can still use them).
+        self._held: dict[str, int] = {}
+        self._retired: list[int] = []
         # Probed once: whether open_file resolves a path in one call.
         self.resolves_beneath = beneath.available(fd)
 
@@ -77,19 +93,42 @@ class StoreDir:
         """A new descriptor (the caller closes it) of directory ``root/names[0]/...``,
         no component a symlink (OSError: ELOOP). Missing components are created
         with exactly ``mode`` if given, else FileNotFoundError."""
-        with self._use() as root:
-            fd = root
+        root = self._enter()  # every write's path: no context manager
+        try:
+            if len(names) < 2:
+                return _walk(root, names, mode, umask)
+            top = self._held_dir(root, names[0], mode, umask)
             try:
-                for name in names:
-                    sub = _open_subdir(fd, name, mode, umask)
-                    if fd != root:
-                        os.close(fd)
-                    fd = sub
-            except BaseException:
-                if fd != root:
-                    os.close(fd)
-                raise
-            return fd if fd != root else os.dup(root)
+                return _walk(top, names[1:], mode, umask)
+            except OSError as err:
+                if not _removed(top, err):  # a plain miss, or a symlink refused
+                    raise
+            # Removed behind our back: hold it anew, as made or found now.
+            top = self._held_dir(root, names[0], mode, umask, stale=top)
+            return _walk(top, names[1:], mode, umask)
+        finally:
+            self._leave()
+
+    def _held_dir(self, root: int, name: str, mode: int | None, umask: int,
+                  stale: int | None = None) -> int:
+        """The held descriptor of first-level directory ``name``, opened by the
+        walk on first use (or when ``stale``, the one held, was removed)."""
+        fd = self._held.get(name)
+        if fd is not None and fd != stale:
+            return fd
+        fresh = _open_subdir(root, name, mode, umask)
+        with self._lock:
+            held = self._held.get(name)
+            if held is not None and held != stale:  # another thread was first
+                loser, fd = fresh, held
+            else:
+                loser, fd = None, fresh
+                self._held[name] = fresh
+                if held is not None:
+                    self._retired.append(held)
+        if loser is not None:
+            os.close(loser)
+        return fd
 
     def open_file(self, names: Sequence[str], name: str, flags: int) -> int:
         """A descriptor of file ``root/names[0]/.../name`` opened with ``flags``
@@ -121,15 +160,13 @@ class StoreDir:
             self._closed = True
             idle = not self._users
         if idle:
-            os.close(self._fd)
+            self._close_fds()
 
-    @contextmanager
-    def _use(self) -> Iterator[int]:
-        fd = self._enter()
-        try:
-            yield fd
-        finally:
-            self._leave()
+    def _close_fds(self) -> None:
+        for fd in (self._fd, *self._held.values(), *self._retired):
+            os.close(fd)
+        self._held.clear()
+        self._retired.clear()
 
     def _enter(self) -> int:
         """The root descriptor, kept open until the matching ``_leave``."""
@@ -140,11 +177,16 @@ class StoreDir:
             return self._fd
 
     def _leave(self) -> None:
+        retired: list[int] = []
         with self._lock:
             self._users -= 1
             last = self._closed and not self._users
+            if not self._users and not last:
+                retired, self._retired = self._retired, []
         if last:
-            os.close(self._fd)
+            self._close_fds()
+        for fd in retired:
+            os.close(fd)
 
 
 def _open_root(path: str, allow_shared_dir: bool, owner: str) -> tuple[int, str]:
@@ -163,6 +205,36 @@ def _open_root(path: str, allow_shared_dir: bool, owner: str) -> tuple[int, str]
             f"who can re-point it; configure the directory it names ({target!r}) instead, "
             "or set allow_shared_dir: true")
     return os.open(target, DIR_FLAGS), target
+
+
+def _removed(fd: int, err: OSError) -> bool:
+    """Was directory ``fd`` removed, by ``err`` from an operation below it? A
+    removed directory has no links left; on NFS its handle goes stale."""
+    if err.errno == errno.ESTALE:
+        return True
+    if not isinstance(err, FileNotFoundError):
+        return False
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError as stat_err:
+        return stat_err.errno == errno.ESTALE
+
+
+def _walk(start: int, names: Sequence[str], mode: int | None, umask: int) -> int:
+    """A new descriptor of ``start/names[0]/...``, one component at a time
+    (``start`` itself duplicated when ``names`` is empty)."""
+    fd = start
+    try:
+        for name in names:
+            sub = _open_subdir(fd, name, mode, umask)
+            if fd != start:
+                os.close(fd)
+            fd = sub
+    except BaseException:
+        if fd != start:
+            os.close(fd)
+        raise
+    return fd if fd != start else os.dup(start)
 
 
 def _open_subdir(dir_fd: int, name: str, mode: int | None, umask: int) -> int:

@@ -14,6 +14,10 @@ or error shows. With ``rediss://`` the server's certificate and
 host name are verified against ``tls_ca_file`` (default: the system CA
 store); ``tls_cert_file`` + ``tls_key_file`` present a client certificate
 (servers with ``tls-auth-clients yes``).
+
+With ``cluster: true`` the url names a seed node of a Redis Cluster and
+``cluster_nodes`` more seeds; cluster_options.py says which combinations are
+refused and how each node's address is made from the url.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from redis.connection import parse_url
 from vllm_hicache.redaction import REDACTED, redacted
 from vllm_hicache.storage.options import (
     Options,
+    flag,
     integer,
     number,
     option,
@@ -35,6 +40,7 @@ from vllm_hicache.storage.options import (
     secret,
     text,
 )
+from vllm_hicache.storage.redis.cluster_options import check_cluster_options, host_ports
 
 _TLS_OPTIONS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 # URL query arguments we accept; the rest have an option of their own.
@@ -81,6 +87,11 @@ class RedisConfig(Options):
     tls_ca_file: str | None = option(None, parse=optional(readable_file))
     tls_cert_file: str | None = option(None, parse=optional(readable_file))
     tls_key_file: str | None = option(None, parse=optional(readable_file))
+    # The url names a seed node of a Redis Cluster / Valkey cluster; more seeds
+    # ("host:port") in cluster_nodes. Every node is reached with the url's
+    # scheme, user, password and TLS files (cluster_options.py, cluster.py).
+    cluster: bool = option(False, parse=flag)
+    cluster_nodes: tuple[str, ...] = option((), parse=host_ports)
 
     def __post_init__(self) -> None:
         _check_url(self.url)
@@ -89,6 +100,8 @@ class RedisConfig(Options):
             raise ValueError(f"redis backend option(s) {given} need a rediss:// url (TLS)")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("redis backend options tls_cert_file and tls_key_file go together")
+        check_cluster_options(self.url, self.cluster, self.cluster_nodes, self.key_prefix,
+                              int(parse_url(self.url).get("db") or 0))
 
     def connection_kwargs(self) -> dict[str, Any]:
         """redis-py connection arguments beyond the URL (TLS files)."""

@@ -89,6 +89,12 @@ def exchange(conn: Any, chunks: Sequence[bytes | memoryview], count: int) -> lis
     error reply (OOM, WRONGTYPE) is returned as its ResponseError, in place.
     A connection error or timeout raises (redis-py has then closed ``conn``)."""
     conn.send_packed_command(chunks, check_health=False)
+    return read_replies(conn, count)
+
+
+def read_replies(conn: Any, count: int) -> list[Any]:
+    """The next ``count`` replies on ``conn``, error replies in place (as in
+    exchange): the second half of a pipeline sent earlier."""
     replies: list[Any] = []
     for _ in range(count):
         try:
@@ -101,13 +107,14 @@ def exchange(conn: Any, chunks: Sequence[bytes | memoryview], count: int) -> lis
 # --- connections ---
 
 
-def make_pool(cfg: RedisConfig) -> redis.BlockingConnectionPool:
+def make_pool(cfg: RedisConfig, url: str | None = None) -> redis.BlockingConnectionPool:
+    # ``url``: a cluster node's (cluster.py), reached with cfg's other options.
     # The pool replaces a connection the server closed before handing it out;
     # one immediate retry covers one that breaks in use. None on timeouts:
     # that would double what a hung server costs.
     retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
     return redis.BlockingConnectionPool.from_url(
-        cfg.url, password=cfg.password, socket_timeout=cfg.socket_timeout_s,
+        url or cfg.url, password=cfg.password, socket_timeout=cfg.socket_timeout_s,
         socket_connect_timeout=cfg.connect_timeout_s, max_connections=cfg.max_connections,
         timeout=cfg.socket_timeout_s, retry=retry, **cfg.connection_kwargs(),
     )
@@ -126,6 +133,7 @@ def probe_server(cfg: RedisConfig) -> None:
         while True:
             try:
                 probe.ping()
+                _refuse_cluster_node(probe, cfg)
                 return
             except (AuthenticationError, ResponseError) as err:
                 raise ConnectionError(
@@ -140,3 +148,16 @@ def probe_server(cfg: RedisConfig) -> None:
             time.sleep(_PROBE_INTERVAL_S)
     finally:
         probe.close()
+
+
+def _refuse_cluster_node(probe: redis.Redis, cfg: RedisConfig) -> None:
+    """A cluster node reached as a single server would answer MOVED for most
+    keys (misses, writes taken for rejected): say at start what to set. A
+    user not allowed INFO is not checked."""
+    try:
+        enabled = probe.info("cluster").get("cluster_enabled")
+    except ResponseError:
+        return
+    if enabled == 1:
+        raise ValueError(f"redis backend: the server at {cfg.address} is a Redis Cluster node; "
+                         "set the option cluster: true")

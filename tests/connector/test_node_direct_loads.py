@@ -1,0 +1,254 @@
+"""Node-tier hits loaded into L1 directly, through vLLM's real Scheduler and
+our two halves (tests/connector/harness.py, fake forward that writes each
+token's exact KV): instance A computes a prompt and backs it up into the
+node tier; instance B, another member of the same tier, gets the prompt's
+blocks as one direct load (no L2 page, no L3 prefetch), and every loaded
+block holds exactly the KV A computed. With ``hicache_load_mode=layerwise``
+the load runs within the step that admits the request, before its forward
+(as an L2 hit's does); with ``async`` the request waits for it. A page
+corrupted in the segment after sealing, or evicted between the lookup and
+the load, is not used: B recomputes from that block on (in the step's
+case, vLLM takes the load error and reschedules the request from there)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.connector.harness import BLOCK, make_harness
+from vllm_hicache.storage.format import HEADER_BYTES
+from vllm_hicache.storage.node_chain import node_key
+
+PROMPT_BLOCKS = 5
+PROMPT = list(range(1000, 1000 + PROMPT_BLOCKS * BLOCK + 3))
+
+
+@pytest.fixture
+def shm_root(node_root):
+    """conftest's tmpfs directory; the instances built on it leave the tier
+    before node_root removes the directory."""
+    yield node_root
+    for h in BUILT:
+        h.worker.shutdown()
+        h.scheduler.connector.shutdown()
+    BUILT.clear()
+
+
+BUILT: list = []
+
+
+def build(model_dir, root: str, **l2):
+    l2 = {"hicache_ratio": 2, **l2} if "hicache_size" not in l2 else l2
+    BUILT.append(make_harness(
+        model_dir, num_blocks=32, max_num_seqs=4, **l2,
+        hicache_mem_layout="page_first_direct", node_tier_bytes=16 << 20,
+        node_tier_name="direct", node_tier_root=root,
+        hicache_storage_prefetch_policy="best_effort",
+        hicache_storage_backend_extra_config={"prefetch_threshold": BLOCK}))
+    return BUILT[-1]
+
+
+def publish(model_dir, root: str, prompt=PROMPT, **l2):
+    """Instance A computes ``prompt``; its blocks reach the node tier."""
+    a = build(model_dir, root, **l2)
+    a.add("a", prompt, max_tokens=1)
+    a.run()
+    for _ in range(20):  # backups are acknowledged a step later
+        a.step()
+        assert a.worker.worker._io.wait_idle(10)
+    tier = a.sched_half.l3.backend.tier
+    req = a.hashes_of["a"]
+    blocks = (len(prompt) - 1) // BLOCK
+    keys = a.sched_half.l3.namespaces[0].object_keys(req.block_hashes[:blocks])
+    assert tier.lookup([node_key(k) for k in keys]) == blocks
+    return a, tier, [node_key(k) for k in keys]
+
+
+def watch_loads(b):
+    """(job, blocks loaded, each block's bytes right) per direct load of B."""
+    queue = b.worker.worker._node_loads
+    assert queue is not None and queue.loader is not None
+    loader, seen = queue.loader, []
+    inner = loader.load
+
+    def load(hashes, block_ids):
+        n = inner(hashes, block_ids)
+        req = b.hashes_of["b"]
+        ok = [b.check_block(block, req, i) for i, block in enumerate(block_ids[:n])]
+        seen.append((len(hashes), n, ok))
+        return n
+
+    loader.load = load
+    return seen
+
+
+MODES = ["layerwise", "async"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_another_instance_loads_the_prefix_from_the_node_tier_directly(tiny_model_dir,
+                                                                       shm_root, mode):
+    a, tier, keys = publish(tiny_model_dir, shm_root)
+    b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
+    seen = watch_loads(b)
+    l2 = b.worker.worker.pool.buffer.clone()
+    gate, planned = b.sched_half.load_gate, []
+    inner_planned = gate.step_planned
+    gate.step_planned = lambda so, copies: (planned.append(copies), inner_planned(so, copies))
+    b.add("b", PROMPT, max_tokens=1)
+    so = b.step()
+    jobs = so.kv_connector_metadata.node_loads
+    assert [(j.req_id, j.in_step) for j in jobs] == [("b", mode == "layerwise")]
+    # A step that copies before its forward is no sample of the prefill rate.
+    assert planned == [mode == "layerwise"]
+    if mode == "layerwise":
+        # Admitted, loaded and computed in one step, as an L2 hit is.
+        assert so.has_sync_kv_loads
+        assert [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs] == [
+            ("b", PROMPT_BLOCKS * BLOCK)]
+    else:
+        assert not so.scheduled_new_reqs  # waits for the load
+    b.run()
+    assert seen == [(PROMPT_BLOCKS, PROMPT_BLOCKS, [True] * PROMPT_BLOCKS)]
+    assert b.first_computed["b"] == PROMPT_BLOCKS * BLOCK
+    half = b.sched_half
+    assert half.stats.hit_tokens_l3 == PROMPT_BLOCKS * BLOCK
+    assert half.stats.hit_tokens_l2 == 0
+    # ...all of them from the node tier (vllm:hicache_node_tier_hit_tokens_total).
+    assert half.stats.hit_tokens_node == PROMPT_BLOCKS * BLOCK
+    loader = b.worker.worker._node_loads.loader
+    assert loader.counts["pages"] == PROMPT_BLOCKS
+    # L2 took no part: no prefetch staged the pages, and the loaded blocks
+    # were not stored to it afterwards (the machine holds them in the tier).
+    assert not half.l3.in_flight().get("prefetch", 0)
+    assert torch.equal(b.worker.worker.pool.buffer, l2)
+    assert half.tree.match(b.hashes_of["b"].block_hashes).host_run(0) == []
+    # Through the load gate, under the node tier's own name.
+    assert half.load_gate.decisions == {("node", "loaded"): PROMPT_BLOCKS * BLOCK}
+
+
+def run_recording_recompute(b) -> tuple[int, list[int], set[int]]:
+    """Run B's request "b": (tokens computed when first scheduled, tokens
+    computed when it was scheduled next, the load errors B reported)."""
+    errors: set[int] = set()
+    worker = b.worker
+    inner = worker.get_block_ids_with_load_errors
+
+    def take():
+        got = inner()
+        errors.update(got)
+        return got
+
+    worker.get_block_ids_with_load_errors = take
+    later = []
+    while b.scheduler.has_unfinished_requests():
+        so = b.step()
+        cached = so.scheduled_cached_reqs
+        later += [n for r, n in zip(cached.req_ids, cached.num_computed_tokens) if r == "b"]
+        if so.total_num_scheduled_tokens == 0:
+            time.sleep(0.002)
+    return b.first_computed["b"], later, errors
+
+
+def assert_recomputed_from(b, mode: str, good: int, errors: set[int], first: int,
+                           later: list[int]) -> None:
+    """B used ``good`` loaded blocks and computed the rest itself."""
+    if mode == "async":
+        assert first == good * BLOCK  # admitted once the load ended
+        return
+    # In step: admitted with the whole hit; the blocks from the bad one on
+    # are load errors, and vLLM rescheduled the request from there.
+    assert first == PROMPT_BLOCKS * BLOCK
+    assert len(errors) == PROMPT_BLOCKS - good
+    assert later[:1] == [good * BLOCK]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_slot_corrupted_after_sealing_is_recomputed_not_used(tiny_model_dir, shm_root,
+                                                               mode):
+    a, tier, keys = publish(tiny_model_dir, shm_root)
+    found = tier.pin_pages(keys)
+    tier.release_pages(found, 0, 0)
+    g = tier.geometry
+    mapping = np.frombuffer(tier.mapping(), np.uint8)
+    mapping[g.data_offset + found[2].slot * g.slot_stride + HEADER_BYTES + 8] ^= 0xFF
+    b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
+    seen = watch_loads(b)
+    b.add("b", PROMPT, max_tokens=1)
+    first, later, errors = run_recording_recompute(b)
+    assert seen == [(PROMPT_BLOCKS, 2, [True, True])]
+    assert b.worker.worker._node_loads.loader.counts["refused"] == 1
+    # vLLM kept the two good blocks and recomputed from the corrupt one on.
+    assert_recomputed_from(b, mode, 2, errors, first, later)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_page_evicted_between_lookup_and_load_is_recomputed(tiny_model_dir, shm_root,
+                                                              mode):
+    a, tier, keys = publish(tiny_model_dir, shm_root)
+    b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
+    seen = watch_loads(b)
+    inner = b.worker.worker._node_loads.loader.load
+
+    def evict_then_load(hashes, block_ids):
+        # The scheduler found all five; the fourth leaves before the worker pins it.
+        page = tier.pin_pages([keys[3]])
+        tier.drop_page(page[0], "evicted by the test")
+        return inner(hashes, block_ids)
+
+    b.worker.worker._node_loads.loader.load = evict_then_load
+    b.add("b", PROMPT, max_tokens=1)
+    first, later, errors = run_recording_recompute(b)
+    assert seen == [(PROMPT_BLOCKS, 3, [True] * 3)]
+    assert_recomputed_from(b, mode, 3, errors, first, later)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hit_the_load_gate_declines_is_computed_and_counted_as_node(tiny_model_dir,
+                                                                      shm_root, mode):
+    a, tier, keys = publish(tiny_model_dir, shm_root)
+    b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
+    seen = watch_loads(b)
+    half = b.sched_half
+    asked = []
+
+    def decline(start, num_tokens, num_pages):
+        asked.append((start, num_tokens, num_pages))
+        return False
+
+    half.load_gate.load_node = decline
+    b.add("b", PROMPT, max_tokens=1)
+    b.run()
+    assert asked and asked[0] == (0, PROMPT_BLOCKS * BLOCK, PROMPT_BLOCKS)
+    assert seen == []
+    assert b.first_computed["b"] == 0
+    assert half.stats.hit_tokens_l3 == 0
+    # Not staged through L2 either: the gate said computing is faster.
+    assert not half.l3.in_flight().get("prefetch", 0)
+    assert half.load_gate.decisions == {("node", "declined"): PROMPT_BLOCKS * BLOCK}
+
+
+def test_a_small_private_l2_serves_a_working_set_larger_than_itself(tiny_model_dir,
+                                                                   shm_root):
+    """hicache_size of 6 pages per instance in front of a 16 MiB tier: the
+    L2 stages each request's stores on their way into the tier (it must hold
+    one request's chain: the radix tree stays prefix-closed), and three
+    prompts of 5 blocks, 15 pages in all, come straight from the tier."""
+    small = {"hicache_size": 6 * 16384 / 1e9}
+    prompts = [list(range(3000 + 100 * i, 3000 + 100 * i + PROMPT_BLOCKS * BLOCK + 3))
+               for i in range(3)]
+    for prompt in prompts:
+        a, tier, keys = publish(tiny_model_dir, shm_root, prompt, **small)
+    assert a.worker.worker.pool.num_pages == 6
+    b = build(tiny_model_dir, shm_root, **small)
+    assert b.worker.worker.pool.num_pages == 6
+    loader = b.worker.worker._node_loads.loader
+    for i, prompt in enumerate(prompts):
+        b.add(f"b{i}", prompt, max_tokens=1)
+        b.run()
+        assert b.first_computed[f"b{i}"] == PROMPT_BLOCKS * BLOCK
+    assert loader.counts["pages"] == 3 * PROMPT_BLOCKS
+    assert loader.counts["misses"] == 0

