@@ -10,7 +10,7 @@ vLLM's real ``Scheduler`` and our worker half run in one process
 (``tests/connector/harness.py``, its byte-checking fake forward turned off:
 nothing is loaded). Every connector method either half exposes is wrapped by
 a ``time.thread_time`` accumulator (CPU of the calling thread, the engine's
-own); the background threads we start (``hicache-lookup``, ``hicache-l3``,
+own); the background threads we start (``hicache-lookup``, ``hicache-l3w``,
 the file pool...) are read from their own CPU clocks before and after the run.
 The report is per request: CPU microseconds per hook and per thread group,
 and calls per request. ``--systems`` picks L2 alone (``l2``) and L2 + the

@@ -36,8 +36,9 @@ def test_a_no_reuse_run_of_l2_and_l3_counts_hooks_and_background_threads(tiny_mo
     assert hooks.calls["sched.get_num_new_matched_tokens"] >= 6
     assert hooks.calls["worker.wait_for_save"] == out["steps"] + 5  # + the ack steps
     assert all(s >= 0 for s in hooks.cpu_s.values())
-    # The L3 lookup ran on its thread and the backups on the L3 and file threads.
-    assert {"hicache-lookup", "hicache-l3"} <= set(out["threads"])
+    # The L3 lookup ran on its thread and the backups on the L3 write and file
+    # threads (no read runs: nothing is reused).
+    assert {"hicache-lookup", "hicache-l3w"} <= set(out["threads"])
 
 
 def test_an_unknown_system_is_refused(monkeypatch, capsys):

@@ -16,7 +16,7 @@ such cores (a GPU platform, binding turned off, every allowed core
 computing) nothing moves. Threads of the scheduler half are never pinned:
 EngineCore is not bound.
 
-``enter_io_thread`` also gives the OS thread its Python name (``hicache-l3-0``,
+``enter_io_thread`` also gives the OS thread its Python name (``hicache-l3r-0``,
 cut to the kernel's 15 characters), as ``named_thread`` does for our other
 threads, so ``top -H``, ``ps -L`` and per-thread CPU accounting tell our
 threads from vLLM's: Python 3.11 leaves every thread with the process title.

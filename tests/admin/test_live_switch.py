@@ -10,6 +10,7 @@ backend that fails its canary leaves the old one serving."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
@@ -42,13 +43,21 @@ def keys_of(h, req_id: str, planner) -> list[str]:
     return planner.namespaces[0].object_keys(req.block_hashes[:full])
 
 
-def until_retired(h, max_steps: int = 300, **step) -> None:
-    """Step until no backup is open and every old backend has closed."""
+def until_retired(h, max_steps: int = 3000, timeout_s: float = 30.0, **step) -> None:
+    """Step until no backup is open and every old backend has closed.
+
+    Bounded in time, not only in steps: the old client's last read runs on
+    an L3 thread, which on busy cores may get little time while this loop
+    steps (a step takes a millisecond; each yields one)."""
+    deadline_s = time.monotonic() + timeout_s
     for _ in range(max_steps):
         if (not control(h)._retiring and not h.sched_half.ops.num_live(OpKind.BACKUP)
                 and not control(h).has_work()):
             return
+        if time.monotonic() > deadline_s:
+            break
         h.step(**step)
+        time.sleep(0.001)
     raise AssertionError("the old backend did not retire")
 
 

@@ -1,5 +1,6 @@
-"""StorageIO shutdown: queued backups reach L3 within a bounded drain,
-queued prefetches are dropped, and a stuck backend cannot hang shutdown."""
+"""StorageIO: reads never queue behind writes; at shutdown queued backups
+reach L3 within a bounded drain, queued prefetches are dropped, and a stuck
+backend cannot hang shutdown."""
 
 from __future__ import annotations
 
@@ -69,6 +70,13 @@ def store():
     STORES.pop(name, None)
 
 
+def _wait_for(condition, timeout_s: float = GATE_TIMEOUT_S) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline_s, "condition not reached"
+        time.sleep(0.005)
+
+
 def backup(op_id: int, page: int) -> BackupJob:
     return BackupJob(op_id, (bytes([page]) * 8,), (page,))
 
@@ -116,20 +124,48 @@ def test_stuck_backend_cannot_hang_shutdown(store, caplog):
 
 
 def test_queued_prefetches_are_cancelled_at_shutdown(store, caplog):
-    gate = threading.Event()
-    store.backend.put_gate = gate
+    """The read thread is held in a get: the two prefetches queued behind it
+    never reach the store, while the held backup still drains."""
+    put_gate, get_gate = threading.Event(), threading.Event()
+    store.backend.put_gate, store.backend.get_gate = put_gate, get_gate
     io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
-    io.submit_backup(backup(0, 0))  # occupies the only thread until the gate opens
-    io.submit_prefetch(PrefetchJob(10, (bytes([0]) * 8,), (8,)))
+    io.submit_backup(backup(0, 0))  # occupies the only write thread until its gate opens
+    io.submit_prefetch(PrefetchJob(10, (bytes([0]) * 8,), (8,)))  # the only read thread
+    _wait_for(lambda: store.backend.num_gets == 1)
     io.submit_prefetch(PrefetchJob(11, (bytes([1]) * 8,), (9,)))
+    io.submit_prefetch(PrefetchJob(12, (bytes([2]) * 8,), (10,)))
     io.submit_backup(backup(1, 1))
-    threading.Timer(0.3, gate.set).start()
+    threading.Timer(0.3, put_gate.set).start()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         io.shutdown()
+    get_gate.set()
 
-    assert store.backend.num_gets == 0
+    assert io.wait_idle(10)
+    assert store.backend.num_gets == 1
     assert landed(store, 0) and landed(store, 1)
     assert "cancelled 2 queued prefetches" in caplog.text
+
+
+def test_a_read_never_waits_behind_writes(store):
+    """A slow store's puts hold every write thread: a prefetch submitted after
+    them still runs at once, on a thread of its own."""
+    for page in range(2):
+        store.write([bytes([page]) * 8], [page])
+    store.backend.put_gate = gate = threading.Event()
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=2)
+    try:
+        for page in range(2, 6):  # two running, two queued: all held by the gate
+            io.submit_backup(backup(page, page))
+        io.submit_prefetch(PrefetchJob(20, (bytes([0]) * 8, bytes([1]) * 8), (8, 9)))
+        assert io.wait_read(20, 2, GATE_TIMEOUT_S) == 2
+        assert not gate.is_set()
+        progress, backups_done = io.poll()
+        assert progress == {20: PrefetchProgress(2, True)} and backups_done == set()
+        assert io.take_prefetch_timings()[20].queue_s < GATE_TIMEOUT_S / 2
+    finally:
+        gate.set()
+        io.shutdown()
+    assert io.poll()[1] == {2, 3, 4, 5}
 
 
 def test_running_prefetch_stops_at_next_batch(store, monkeypatch):
@@ -174,26 +210,27 @@ def test_backup_then_prefetch_carries_page_states(store, monkeypatch):
 
 
 def test_a_finished_prefetch_reports_where_its_time_went(store):
-    """Queued behind a held backup, then read: its timing comes with (or
+    """Queued behind a held read, then read: its timing comes with (or
     before) the poll that reports it finished, once, in durations that add up
     to no more than the time it took."""
-    gate = threading.Event()
-    store.backend.put_gate = gate
-    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
     hashes = tuple(bytes([p]) * 8 for p in range(3))
     for page in range(3):
-        io.submit_backup(backup(page, page))
+        store.write([hashes[page]], [page])
+    store.backend.get_gate = gate = threading.Event()
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    io.submit_prefetch(PrefetchJob(5, hashes[:1], (11,)))  # holds the only read thread
+    _wait_for(lambda: store.backend.num_gets == 1)
     started_s = time.perf_counter()
     io.submit_prefetch(PrefetchJob(6, hashes, (8, 9, 10)))
     time.sleep(0.05)
-    assert io.take_prefetch_timings() == {}  # still queued behind the backups
+    assert io.take_prefetch_timings() == {}  # still queued behind the held read
     gate.set()
     assert io.wait_idle(10)
     elapsed_s = time.perf_counter() - started_s
     progress, _ = io.poll()
-    assert progress == {6: PrefetchProgress(3, True)}
-    (timing,) = io.take_prefetch_timings().values()
-    assert timing.queue_s >= 0.04  # it waited for the thread the backups held
+    assert progress == {5: PrefetchProgress(1, True), 6: PrefetchProgress(3, True)}
+    timing = io.take_prefetch_timings()[6]
+    assert timing.queue_s >= 0.04  # it waited for the thread the first read held
     assert timing.io_s > 0 and timing.check_s > 0
     assert sum(timing) <= elapsed_s
     assert io.take_prefetch_timings() == {}

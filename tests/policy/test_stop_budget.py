@@ -15,11 +15,11 @@ def test_zero_timeout_flushes_nothing_and_keeps_the_standing_drain():
 
 @pytest.mark.parametrize("timeout_s, flush_s, drain_s", [
     (1, 0.0, 0.75),      # all of it is teardown: nothing to flush in
-    (2, 0.0, 1.5),
-    (4, 2.0, 1.5),       # at least 2 s of teardown
-    (20, 15.0, 3.75),    # a quarter
-    (30, 22.5, 5.625),
-    (100, 90.0, 7.5),    # at most 10 s of teardown
+    (4, 0.0, 3.0),
+    (6, 2.0, 3.0),       # at least 4 s of teardown
+    (20, 40 / 3, 5.0),   # a third
+    (30, 20.0, 7.5),     # at most 10 s of teardown
+    (100, 90.0, 7.5),
 ])
 def test_split(timeout_s, flush_s, drain_s):
     budget = stop_budget(timeout_s, 10.0)

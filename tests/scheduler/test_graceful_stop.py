@@ -13,6 +13,7 @@ from tests.connector.harness import BLOCK
 from tests.l3.test_planner import hold_backups, num_pages_stored
 from tests.scheduler.test_load_decision import _l3_backlog_harness, run_held, run_idle
 from tests.scheduler.test_scheduler import assert_clean, prompt
+from vllm_hicache.l3.breaker import BreakerState
 from vllm_hicache.policy.stop_budget import stop_budget
 from vllm_hicache.scheduler import graceful_stop
 from vllm_hicache.scheduler.graceful_stop import GracefulStop
@@ -86,7 +87,7 @@ def test_when_the_flush_time_is_up_the_rest_is_dropped_and_counted(tiny_model_di
     try:
         flag[0] = True
         assert half.has_pending_work()  # stopping, within the flush time
-        clock.now_s += 15.0  # flush_s of 20 s
+        clock.now_s += stop.budget.flush_s + 0.01
         assert not half.has_pending_work()  # backups open, but the budget is spent
         assert planner.backlog.num_blocks == 0
         line = stop.final_line(planner)
@@ -94,9 +95,48 @@ def test_when_the_flush_time_is_up_the_rest_is_dropped_and_counted(tiny_model_di
                "signal, 0 more only L1 held)" in line, line
         assert f"did not fit: {deferred} blocks dropped (only L2 held them), {in_flight} " \
                "blocks still being written" in line
-        assert "drain, 3.8 s" in line
+        assert "drain, 5.0 s" in line
     finally:
         gate.set()
+
+
+class TrippedBreaker:
+    """The health check's surface the planner reads, with the breaker tripped."""
+
+    usable = False
+    trips = 1
+    state = BreakerState.TRIPPED
+
+    def status(self) -> dict[str, object]:
+        return {"state": self.state.value}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_tripped_breaker_does_not_keep_the_stop_waiting(tiny_model_dir):
+    """Nothing writes L2-only pages while the breaker is not closed: the stop
+    stops waiting for them at once (not at the end of the flush time), and its
+    last line says what the breaker cost."""
+    h, store, stop, flag, clock, gate = stop_harness(tiny_model_dir)
+    half, planner = h.sched_half, h.sched_half.l3
+    in_flight, deferred = queued(h)
+    flag[0] = True
+    assert half.has_pending_work()  # the store is in use: the backlog keeps it stepping
+    assert stop.has_l2_only(planner)
+    planner.health = TrippedBreaker()
+    planner.begin_step()  # what the next step does first
+    assert not stop.has_l2_only(planner)
+    gate.set()
+    run_idle(h)  # the in-flight backups finish; the backlog is skipped by the breaker
+    assert not half.has_pending_work() and not stop.budget.flush_s <= clock.now_s - 100.0
+    assert planner.open_backup_blocks() == 0 and planner.backlog.num_blocks == 0
+    assert num_pages_stored(store) == in_flight
+    line = stop.final_line(planner)
+    assert f"{in_flight} blocks written to L3" in line, line
+    assert line.endswith(f"; {deferred} blocks not written because the L3 circuit breaker "
+                         "was not closed"), line
+    assert_clean(h)
 
 
 def test_without_a_stop_nothing_changes(tiny_model_dir):

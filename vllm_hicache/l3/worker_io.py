@@ -10,6 +10,12 @@ has are skipped (``exists_prefix``), the rest written; the op is acknowledged
 when done, successful or not (a failed write is just a later miss). On CUDA a
 backup first waits for the L1 -> L2 copy that produced its pages.
 
+Reads and writes run on threads of their own (``num_threads`` each): a
+prefetch is what a request waits for, a backup is what nobody waits for, so a
+slow store's writes (every thread busy in a put) must never queue a read
+behind them. With one shared FIFO they did: under ``wait_complete`` a server
+then served at the store's write pace.
+
 Shutdown: a queued backup is the only way its pages reach L3 (writes are not
 retried), so shutdown lets queued and running backups finish, bounded by
 ``drain_timeout_s``; prefetches are useless by then and are cancelled (a
@@ -95,8 +101,10 @@ class StorageIO:
         self._writes = writes
         self._drain_timeout_s = drain_timeout_s
         # Daemon threads: a store that never answers must not keep the
-        # process from exiting once shutdown has given up on it.
-        self._pool = DaemonPool(num_threads, "hicache-l3")
+        # process from exiting once shutdown has given up on it. Reads apart
+        # from writes (module doc).
+        self._read_pool = DaemonPool(num_threads, "hicache-l3r")
+        self._write_pool = DaemonPool(num_threads, "hicache-l3w")
         self._lock = threading.Lock()
         # Notified whenever a prefetch's progress changes (wait_read).
         self._read_changed = threading.Condition(self._lock)
@@ -117,11 +125,11 @@ class StorageIO:
     def submit_prefetch(self, job: PrefetchJob, ready=None) -> None:
         with self._lock:
             self._progress[job.op_id] = PrefetchProgress(0, False)
-        self._track(self._prefetches, self._pool.submit(
+        self._track(self._prefetches, self._read_pool.submit(
             self._guard, self._prefetch, job, ready, time.perf_counter()), job)
 
     def submit_backup(self, job: BackupJob, ready=None) -> None:
-        self._track(self._backups, self._pool.submit(self._guard, self._backup, job, ready),
+        self._track(self._backups, self._write_pool.submit(self._guard, self._backup, job, ready),
                     (job, ready))
 
     def _track(self, open_jobs: dict[Future, Any], future: Future, what: Any) -> None:
@@ -321,7 +329,8 @@ class StorageIO:
         drained, abandoned = wait(backups, timeout=self._drain_timeout_s)
         # Threads still stuck in the backend are left behind: waiting on them
         # is what the deadline exists to avoid.
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._read_pool.shutdown(wait=False, cancel_futures=True)
+        self._write_pool.shutdown(wait=False, cancel_futures=True)
         if abandoned:
             logger.warning(
                 "HiCache L3: shutdown abandoned %d of %d open backups after %.1f s "

@@ -20,6 +20,9 @@ every step and from ``has_pending_work``; from the first poll that sees it:
 
 The invariant: once the flush time is up, ``keeps_engine_busy`` is False
 whatever is pending, so the stop never runs into vLLM's kill because of us.
+Nor do pages only L2 holds keep it stepping while the L3 circuit breaker is
+not closed: nothing would write them (the planner skips backups then), and
+waiting for the flush time to run out would only eat vLLM's teardown time.
 
 What L2 alone holds, and in what order it goes out, is decided in one place,
 ``l2_only_blocks`` and ``pick_l2_only``: today the deferred backlog
@@ -69,6 +72,7 @@ class _Stop:
     stepped: bool = False    # a step was planned since the stop was seen
     open_at_deadline: int = 0
     expired: bool = False
+    breaker_skipped_before: int = 0  # planner.breaker_skipped_blocks when the stop was seen
 
 
 class GracefulStop:
@@ -94,7 +98,9 @@ class GracefulStop:
                 self._clock(),
                 planner.written_blocks if planner is not None else 0,
                 (planner.open_backup_blocks() + l2_only_blocks(planner))
-                if planner is not None else 0)
+                if planner is not None else 0,
+                breaker_skipped_before=(planner.breaker_skipped_blocks
+                                        if planner is not None else 0))
             if self.budget.graceful:
                 logger.info("HiCache: stop requested: writing %d queued blocks to L3 within "
                             "%.1f s (vLLM's --shutdown-timeout %g s)", self._stop.queued,
@@ -130,10 +136,12 @@ class GracefulStop:
             self._stop.from_l1 += num_blocks
 
     def has_l2_only(self, planner: L3Planner | None) -> bool:
-        """During the flush time: does L2 still hold pages to write out, or
-        has no step run yet (the first one hands over what only L1 holds)?"""
+        """During the flush time, with the store in use: does L2 still hold
+        pages to write out, or has no step run yet (the first one hands over
+        what only L1 holds)?"""
         stop = self._stop
         return (stop is not None and not stop.expired and planner is not None
+                and planner.usable
                 and (not stop.stepped or l2_only_blocks(planner) > 0))
 
     def keeps_engine_busy(self, pending: bool) -> bool:
@@ -153,10 +161,14 @@ class GracefulStop:
             # dropped here, but what is left is lost all the same.
             stop.dropped = l2_only_blocks(planner)
             stop.open_at_deadline = planner.open_backup_blocks()
+        skipped = (planner.breaker_skipped_blocks - stop.breaker_skipped_before
+                   if planner is not None else 0)
+        breaker = (f"; {skipped} blocks not written because the L3 circuit breaker was not "
+                   f"closed" if skipped else "")
         return (f"HiCache: stop after {elapsed_s:.1f} s (vLLM's --shutdown-timeout "
                 f"{self.budget.shutdown_timeout_s:g} s): {written} blocks written to L3 "
                 f"({stop.queued} were queued at the signal, {stop.from_l1} more only L1 held); "
                 f"did not fit: {stop.dropped} blocks "
                 f"dropped (only L2 held them), {stop.open_at_deadline} blocks still being "
                 f"written when the flush time ended (the workers' drain, "
-                f"{self.budget.drain_s:.1f} s, finishes what it can)")
+                f"{self.budget.drain_s:.1f} s, finishes what it can){breaker}")
