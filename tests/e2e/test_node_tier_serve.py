@@ -391,8 +391,14 @@ def rotation(request, tiny_model_dir, tmp_path_factory) -> Rotation:
         members_after = members_before
         while time.monotonic() < deadline and not stream.errors:
             members_after = survivors[0].metric("vllm:hicache_node_tier_members")
-            if members_after == want and not tier.members_of_ids(victim_members):
+            reclaimed = not tier.members_of_ids(victim_members)
+            if members_after == want and reclaimed:
                 break
+            if reclaimed:
+                # The gauge moves at the survivor's next step; on busy cores
+                # the stream may leave it idle for seconds (seen in CI: the
+                # tier had 4 members at +15 s, the idle gauge said 5 at +30 s).
+                survivors[0].complete(STREAM_PROMPTS[0])
             time.sleep(POLL_S)
         stream.wait_answers(len(stream.answers) + ANSWERS_AFTER_RECLAIM, 120)
         used_bytes_after = survivors[0].metric("vllm:hicache_node_tier_used_bytes")
