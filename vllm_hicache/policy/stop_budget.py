@@ -18,8 +18,8 @@ The teardown share is a third of the budget, at least 4 s and at most
 10 s, never more than the budget itself. Why that much: on vLLM's CPU build
 an idle engine's teardown alone (workers exiting, then EngineCore reaching
 the connector's shutdown) took 3 to 4 s, and more on busy cores; a quarter
-of a 20 s budget (5 s) left the last line racing vLLM's kill. With a budget of 0 nothing is
-flushed (EngineCore dies with the signal) and the workers keep their
+of a 20 s budget (5 s) left the last line racing vLLM's kill. With a budget
+of 0 nothing is flushed (EngineCore dies with the signal) and the workers keep their
 standing drain bound (``default_drain_s``) for the shutdowns that are not a
 ``vllm serve`` stop (``LLM`` closing, an in-process engine).
 

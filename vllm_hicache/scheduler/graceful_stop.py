@@ -65,8 +65,8 @@ def pick_l2_only(planner: L3Planner, tree: HiRadixTree, room: int) -> list[Pinne
 @dataclass
 class _Stop:
     started_s: float
-    written_before: int      # planner.written_blocks when the stop was seen
-    queued: int              # blocks open or L2-only when the stop was seen
+    written_before: int = 0  # planner.written_blocks when the stop was seen
+    queued: int = 0          # blocks open or L2-only when the stop was seen
     dropped: int = 0         # L2-only blocks dropped when the flush time ran out
     from_l1: int = 0         # write-back: blocks only L1 held, copied to L2 for L3
     stepped: bool = False    # a step was planned since the stop was seen
@@ -94,13 +94,10 @@ class GracefulStop:
         if self._stop is None:
             if self._stop_requested is None or not self._stop_requested():
                 return
-            self._stop = _Stop(
-                self._clock(),
-                planner.written_blocks if planner is not None else 0,
-                (planner.open_backup_blocks() + l2_only_blocks(planner))
-                if planner is not None else 0,
-                breaker_skipped_before=(planner.breaker_skipped_blocks
-                                        if planner is not None else 0))
+            self._stop = _Stop(self._clock()) if planner is None else _Stop(
+                self._clock(), planner.written_blocks,
+                planner.open_backup_blocks() + l2_only_blocks(planner),
+                breaker_skipped_before=planner.breaker_skipped_blocks)
             if self.budget.graceful:
                 logger.info("HiCache: stop requested: writing %d queued blocks to L3 within "
                             "%.1f s (vLLM's --shutdown-timeout %g s)", self._stop.queued,
