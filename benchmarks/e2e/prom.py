@@ -84,12 +84,17 @@ def time_split_ms(moved: dict[str, float]) -> dict[str, float]:
 
 def l3_stage_ms(moved: dict[str, float]) -> dict[str, float]:
     """Per L3 hit, ms: the mean of each stage of its wait (the order of
-    ``vllm_hicache.l3.hit_stages.STAGES``), and ``hits``: how many."""
+    ``vllm_hicache.l3.hit_stages.STAGES``), and ``hits``: how many;
+    ``same_step``: of them, admitted in the step their read was sent;
+    ``failed_blocks``: blocks whose load failed (same-step reads not done in
+    time among them), recomputed."""
     name = "vllm:hicache_l3_hit_stage_seconds"
     hits = moved.get(f"{name}_count{{stage=lookup}}", 0.0)
     if not hits:
         return {}
-    out = {"hits": hits}
+    out = {"hits": hits,
+           "same_step": moved.get("vllm:hicache_prefetches_total{event=same_step}", 0.0),
+           "failed_blocks": moved.get("vllm:hicache_load_failed_blocks_total", 0.0)}
     for stage in STAGES:
         count = moved.get(f"{name}_count{{stage={stage}}}", 0.0)
         out[stage] = 1000 * moved.get(f"{name}_sum{{stage={stage}}}", 0.0) / count if count else 0.0

@@ -247,6 +247,10 @@ class Conversation:
     # Turn 2 sent afterwards to the prefill instance alone (no router, no
     # decode): its ``Server.complete`` answer, computed from its prefix cache.
     prefill_alone2: dict = field(default_factory=dict)
+    # Prompt tokens the decode instance computed itself in turn 1 (vLLM's
+    # ``prompt_tokens_by_source``): at most the last one (vLLM counts 0) when
+    # it received the prompt's KV from prefill.
+    decode_computed1: float = 0.0
 
 
 @dataclass
@@ -267,13 +271,21 @@ def _conversation(router: Router, decode: Server, seed: int, page_bytes: int,
     """Two turns through ``router``; turn 2 waits for decode's L3 writes of turn 1."""
     turn1 = _tokens(seed, workload.turn1_tokens)
     backed_up = _backup_bytes(decode)
+    computed = _locally_computed(decode)
     answer1 = router.complete(turn1, workload.turn1_max_tokens)
+    computed1 = _locally_computed(decode) - computed
     # At least the decode-only blocks (the prompt's may already be in L3,
     # written by prefill).
     _wait_backups(decode, backed_up + len(workload.decode_only_blocks) * page_bytes)
     turn2 = turn1 + answer1 + _tokens(seed + 100, workload.turn2_new_tokens)
     answer2 = router.complete(turn2, workload.turn2_max_tokens)
-    return Conversation(turn1, answer1, turn2, answer2)
+    return Conversation(turn1, answer1, turn2, answer2, decode_computed1=computed1)
+
+
+def _locally_computed(server: Server) -> float:
+    """Prompt tokens ``server`` computed itself (not cached, not transferred)."""
+    return metric_value(server.metrics_text(), "vllm:prompt_tokens_by_source_total",
+                        source="local_compute")
 
 
 def run_pd_topology(model_dir: Path, tmp: Path, serve_args: list[str], page_bytes: int,

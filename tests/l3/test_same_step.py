@@ -15,6 +15,7 @@ from tests.connector.harness import BLOCK
 from tests.connector.test_stress_tiering import lookups_answered
 from tests.l3.test_planner import forget_l1_and_l2, l3_harness
 from tests.scheduler.test_scheduler import assert_clean, prompt
+from vllm_hicache.common.stats import key, planner_samples
 from vllm_hicache.l3 import planner as planner_module
 
 # Long enough for any lookup on a loaded machine (the lookup must answer in
@@ -63,6 +64,7 @@ def test_an_l3_hit_is_admitted_in_its_arrival_step(tiny_model_dir):
     assert admit(h, "b", tokens) == 0
     assert h.first_computed["b"] == NUM_BLOCKS * BLOCK  # all of it from L3
     assert h.sched_half.l3.same_step_admitted == 1
+    assert planner_samples(h.sched_half.l3)[key("prefetches", "same_step")] == 1  # the metric
     assert h.sched_half.stats.hit_tokens_l3 == NUM_BLOCKS * BLOCK  # counted as L3 hits
     assert h.load_checks and all(h.load_checks)  # every loaded block holds its KV
     assert all_blocks_hold_their_kv(h, "b")

@@ -53,7 +53,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "lookup or prefetch at its deadline); recompute_cheaper (prefetch_threshold="
                "auto: the cost model expected vLLM to compute the hit sooner); backpressure "
                "(too many lookups queued: the request was not looked up in L3); breaker (the "
-               "L3 circuit breaker was not closed: the request was not looked up in L3)."),
+               "L3 circuit breaker was not closed: the request was not looked up in L3); same_step "
+               "(same_step_read_wait_ms: the request was admitted in the step its read was "
+               "sent, its L1 copy waiting for the read; blocks not read in time are in "
+               "load_failed_blocks)."),
     MetricSpec("l3_errors", "counter", ("kind",),
                "L3 failures: lookup, read (a prefetch raised), write (a backup raised), "
                "invalid_object (an object did not verify: corrupt or foreign); read, write "
@@ -283,6 +286,7 @@ _PLANNER_SAMPLES = {
     "backup_dropped": key("store_skipped_blocks", "L3", "backlog"),
     "backup_evicted": key("store_skipped_blocks", "L3", "evicted"),
     "breaker_skipped_lookups": key("prefetches", "breaker"),
+    "same_step_admitted": key("prefetches", "same_step"),
     "breaker_skipped_blocks": key("store_skipped_blocks", "L3", "breaker"),
     "breaker_trips": key("l3_breaker_trips"),
     "budget_skipped_bandwidth": key("store_skipped_blocks", "L3", "write_budget"),
