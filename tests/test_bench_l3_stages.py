@@ -30,6 +30,8 @@ def metrics_text(hits: int, seconds_per_hit: float) -> str:
         # Half the hits admitted in the step of their read; a block failed per 2 hits.
         lines.append(f'vllm:hicache_prefetches_total{{{labels},event="same_step"}} {hits / 4}')
         lines.append(f"vllm:hicache_load_failed_blocks_total{{{labels}}} {hits / 4}")
+        # 4 ms of the forward's wait per same-step hit.
+        lines.append(f"vllm:hicache_l3_same_step_wait_seconds_total{{{labels}}} {hits / 4 * 0.004}")
     return "\n".join(lines)
 
 
@@ -41,6 +43,7 @@ def test_a_phase_reports_the_mean_of_each_stage_per_hit():
     # (10 * 2 ms - 4 * 1 ms) over 6 hits
     assert stages["hits"] == 6
     assert stages["same_step"] == 3 and stages["failed_blocks"] == 3
+    assert stages["same_step_wait"] == pytest.approx(4.0)
     assert all(stages[s] == pytest.approx(16 / 6) for s in STAGES)
     assert prom.l3_stage_ms({}) == {}  # no L3 hit, no row
 
@@ -51,5 +54,5 @@ def test_the_session_table_has_a_row_per_system_with_l3_hits(monkeypatch):
     monkeypatch.setattr(report, "_phase", lambda results, s, w: phases[s])
     lines = report.l3_stage_table({}, "docqa", ["hicache-l2", "hicache-l3"])
     rows = [line for line in lines if line.startswith("| hicache")]
-    assert rows == ["| hicache-l3 | 2 | 1 | 1 | " + " | ".join(["3.0"] * len(STAGES))
+    assert rows == ["| hicache-l3 | 2 | 1 | 4.0 | 1 | " + " | ".join(["3.0"] * len(STAGES))
                     + f" | {3.0 * (len(STAGES) - 1):.1f} |"]

@@ -31,7 +31,9 @@ def plot_all(results: dict, out: Path) -> list[Path]:
 
 
 def ttft_per_round(results: dict, out: Path) -> Path | None:
-    workloads = session_workloads(results)
+    # Only workloads that ran (--skip leaves the others without phases).
+    workloads = [w for w in session_workloads(results)
+                 if any(_phase(results, s, w) for s in _systems(results))]
     if not workloads:
         return None
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)

@@ -22,6 +22,7 @@ COUNTERS: dict[str, str | None] = {
     "vllm:hicache_prefetches_total": "event",
     "vllm:hicache_l3_errors_total": "kind",
     "vllm:hicache_load_failed_blocks_total": None,
+    "vllm:hicache_l3_same_step_wait_seconds_total": None,
     "vllm:hicache_l2_evicted_pages_total": None,
     "vllm:hicache_load_decisions_total": "decision",
     # Server-side split of a request's time (histogram sums, seconds).
@@ -87,7 +88,8 @@ def l3_stage_ms(moved: dict[str, float]) -> dict[str, float]:
     ``vllm_hicache.l3.hit_stages.STAGES``), and ``hits``: how many;
     ``same_step``: of them, admitted in the step their read was sent;
     ``failed_blocks``: blocks whose load failed (same-step reads not done in
-    time among them), recomputed."""
+    time among them), recomputed; ``same_step_wait``: ms the forward waited
+    for a same-step hit's read."""
     name = "vllm:hicache_l3_hit_stage_seconds"
     hits = moved.get(f"{name}_count{{stage=lookup}}", 0.0)
     if not hits:
@@ -95,6 +97,10 @@ def l3_stage_ms(moved: dict[str, float]) -> dict[str, float]:
     out = {"hits": hits,
            "same_step": moved.get("vllm:hicache_prefetches_total{event=same_step}", 0.0),
            "failed_blocks": moved.get("vllm:hicache_load_failed_blocks_total", 0.0)}
+    # The forward's wait for same-step reads, per same-step hit (ms).
+    same_step = out["same_step"]
+    out["same_step_wait"] = (1000 * moved.get("vllm:hicache_l3_same_step_wait_seconds_total", 0.0)
+                             / same_step if same_step else 0.0)
     for stage in STAGES:
         count = moved.get(f"{name}_count{{stage={stage}}}", 0.0)
         out[stage] = 1000 * moved.get(f"{name}_sum{{stage={stage}}}", 0.0) / count if count else 0.0

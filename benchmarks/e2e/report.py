@@ -207,15 +207,16 @@ def l3_stage_table(results: dict, workload: str, systems: list[str]) -> list[str
     lines = ["", "Where an L3 hit's wait went (`vllm:hicache_l3_hit_stage_seconds`, mean ms "
              "per hit; all but load sum to the wait from lookup to admission; same-step: hits "
              "admitted in the step their read was sent, whose read waits inside the step's "
-             "forward and records zeros after lookup_seen; failed: blocks whose load failed, "
-             "recomputed):", "",
-             "| system | hits | same-step | failed | " + " | ".join(STAGES) + " | wait |",
-             "| --- |" + " ---: |" * (len(STAGES) + 4)]
+             "forward and records zeros after lookup_seen; read in step: that wait, ms per "
+             "same-step hit; failed: blocks whose load failed, recomputed):", "",
+             "| system | hits | same-step | read in step | failed | " + " | ".join(STAGES)
+             + " | wait |",
+             "| --- |" + " ---: |" * (len(STAGES) + 5)]
     for s, v in stages.items():
         if v:
             wait = sum(v[k] for k in WAIT_STAGES)
             lines.append(f"| {s} | {v['hits']:.0f} | {v['same_step']:.0f} | "
-                         f"{v['failed_blocks']:.0f} | "
+                         f"{v['same_step_wait']:.1f} | {v['failed_blocks']:.0f} | "
                          + " | ".join(f"{v[k]:.1f}" for k in STAGES) + f" | {wait:.1f} |")
     return lines
 

@@ -61,7 +61,26 @@ def all_blocks_hold_their_kv(h, req_id: str) -> bool:
 
 def test_an_l3_hit_is_admitted_in_its_arrival_step(tiny_model_dir):
     h, _, tokens = warm_l3(tiny_model_dir)
+    worker_counts: list[dict] = []  # what the worker reports per step
+    report = h.worker.get_kv_connector_stats
+
+    def recording_report():
+        stats = report()
+        if stats is not None:
+            worker_counts.append(dict(stats.data.get("counters", {})))
+        return stats
+
+    h.worker.get_kv_connector_stats = recording_report
+    stored = h.sched_half.stats.stored_blocks
     assert admit(h, "b", tokens) == 0
+    # The blocks read for it reach L2 as the read commits: never stored
+    # again from L1 (a copy, and a second page each, for nothing).
+    assert h.sched_half.stats.stored_blocks == stored
+    assert not any(c.get(key("transfer_bytes", "store")) for c in worker_counts), worker_counts
+    # The step's forward waited for the read, and says how long.
+    waits = [c[key("l3_same_step_wait_seconds")] for c in worker_counts
+             if key("l3_same_step_wait_seconds") in c]
+    assert len(waits) == 1 and waits[0] > 0, worker_counts
     assert h.first_computed["b"] == NUM_BLOCKS * BLOCK  # all of it from L3
     assert h.sched_half.l3.same_step_admitted == 1
     assert planner_samples(h.sched_half.l3)[key("prefetches", "same_step")] == 1  # the metric
@@ -163,6 +182,8 @@ def test_a_read_that_fails_its_seal_loads_only_what_came_before(tiny_model_dir):
     assert all_blocks_hold_their_kv(h, "b")
     h.run()
     assert h.sched_half.l3.prefetched_blocks == bad  # only verified pages are indexed
+    # The recomputed blocks were stored: L2 holds the whole prompt again.
+    assert h.sched_half.tree.match(req.block_hashes[:NUM_BLOCKS]).num_blocks == NUM_BLOCKS
     assert_clean(h)
 
 

@@ -164,6 +164,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "step_wait (the job's trip to the workers and the report's back), l2_insert, "
                "load_wait (for the request to be scheduled), load (L2 -> L1). All but load sum "
                "to the request's wait from its lookup to its admission (l3/hit_stages.py)."),
+    MetricSpec("l3_same_step_wait_seconds", "counter", (),
+               "same_step_read_wait_ms: seconds the forward waited, before its copies, for "
+               "the reads of the L3 hits admitted in its step, summed over TP ranks (per hit: "
+               "divided by prefetches{event=\"same_step\"}); the compute core idles meanwhile."),
     MetricSpec("estimated_prefill_tokens_per_second", "gauge", (),
                "hicache_load_decision=auto: the engine's prefill rate, as its prefill model "
                "predicts it for a 1024-token prompt; absent until measured."),

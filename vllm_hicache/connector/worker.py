@@ -244,7 +244,9 @@ class HiCacheWorker:
         loads = meta.loads
         unread: list[int] = []
         if meta.same_step_loads:  # copies wait (bounded) for this step's reads
+            began = time.perf_counter()
             loads, unread = split_loads(loads, meta.same_step_loads, self._rank_l3.wait_read)
+            self.counters.add(key("l3_same_step_wait_seconds"), time.perf_counter() - began)
         self._path().begin_step(loads)
         self._path().fail_blocks(unread)
 

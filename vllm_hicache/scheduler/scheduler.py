@@ -408,6 +408,10 @@ class HiCacheScheduler:
             assert self.l3 is not None, req_id
             self._step_same_step.append(
                 self.l3.claim_same_step(req_id, blocks.get_block_ids()[0][l2_end:end]))
+            # They reach L2 as the read commits: not stored from L1 as well (a
+            # copy and a second page each). A failed load lowers
+            # num_computed_tokens, and the recomputed blocks are considered again.
+            state.num_planned = max(state.num_planned, end)
         stages = self._l3_hit_stages(req_id, start, end)
         self.access_log.admit(request, local, num_external_tokens, self.l3, self._step,
                               stages, num_external_tokens if looked_up.node_blocks else 0)
