@@ -435,6 +435,16 @@ def check_decode_only_offloads(run: PDRun) -> None:
         assert not unexpected, f"{name}:\n" + "\n\n".join(unexpected)
 
 
+def hicache_changes(before: str, after: str) -> dict[str, float]:
+    """The ``vllm:hicache_*`` samples (name and labels) that differ between
+    two scrapes of one server: what its HiCache did in between."""
+    def samples(text: str) -> dict[str, float]:
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith("vllm:hicache_")}
+    old, new = samples(before), samples(after)
+    return {k: v - old.get(k, 0.0) for k, v in new.items() if v != old.get(k, 0.0)}
+
+
 def check_decode_written_kv_is_used(run: PDRun) -> None:
     """Negative control: a decode instance with other weights (same L3 keys)
     writes different KV; the second turn's prefill loads it, and the prefill
@@ -443,7 +453,11 @@ def check_decode_written_kv_is_used(run: PDRun) -> None:
     bad = run.bad_conv
     assert bad.answer1 != bad.ref1, "the other weights changed nothing"
     hits = l3_hit_tokens(run.prefill_metrics_after_bad) - l3_hit_tokens(run.prefill_metrics)
-    assert hits >= run.workload.decode_only_tokens
+    changes = hicache_changes(run.prefill_metrics, run.prefill_metrics_after_bad)
+    assert hits >= run.workload.decode_only_tokens, (
+        "prefill's HiCache over the second conversation:\n"
+        + "\n".join(f"  {k} {v:+g}" for k, v in sorted(changes.items()))
+        + "\n" + run.logs["prefill"][-4000:])
     # Its prefix cache served the prefix up to and with the loaded blocks.
     assert bad.prefill_alone2["cached"] >= run.workload.decode_only_blocks.stop * BLOCK
     assert bad.prefill_alone2["token_ids"] != bad.ref2

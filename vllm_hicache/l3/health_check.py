@@ -2,16 +2,27 @@
 and the one answer the scheduler half asks for (``usable``).
 
 A health check is one small object through the scheduler's own client of
-the store: written, found (``exists_prefix``, what lookups ask) and read
-back, compared byte for byte. Backends report an outage as data (a False,
-a miss), never as an exception (storage/base.py), so the store's answers
-to lookups and prefetches cannot tell an outage from a miss: a check of an
-object that must be there can. The object lives under a reserved block hash
-in the first namespace of this engine: the start canary's mark
-(``canary.CANARY_MARK``, so ``is_canary_key`` tells it from pages too) and
-16 bytes of sha256 of another domain and the tag, so it is neither a page
-nor a canary; each check overwrites it with the same bytes, so engines
-sharing the store share it.
+the store: found (``exists_prefix``, what lookups ask) and read back,
+compared byte for byte: what a request waits on when it hits L3. Backends
+report an outage as data (a False, a miss), never as an exception
+(storage/base.py), so the store's answers to lookups and prefetches cannot
+tell an outage from a miss: a check of an object that must be there can.
+The object lives under a reserved block hash in the first namespace of this
+engine: the start canary's mark (``canary.CANARY_MARK``, so
+``is_canary_key`` tells it from pages too) and 16 bytes of sha256 of another
+domain and the tag, so it is neither a page nor a canary; its bytes follow
+from the key, so engines sharing the store share it.
+
+A check writes the object only when it is missing or holds other bytes (the
+first check, after a clear, an eviction or a corruption), then finds and
+reads it again. Rewriting it every interval would time a path the data
+never takes (backups skip objects already stored) and, on some
+filesystems, a slow one: ext4 flushes a file's data before a rename
+replaces another file: seconds on a congested disk (23 s seen), which
+tripped the breaker of every engine sharing the directory while their
+reads and new objects took milliseconds. Backups never hold up a request,
+so a store that only refuses writes (full) is not tripped: its failed
+backups are counted instead.
 
 Threads: the monitor (``hicache-l3-health``) wakes every ``TICK_S`` at most,
 starts a check when one is due, notices a running one that is overdue, and
@@ -61,24 +72,30 @@ def probe_key(ns: KeyNamespace) -> str:
 
 def round_trip_check(backend: StorageBackend, key: str, num_bytes: int) -> Check:
     """A check of ``backend``: one object of ``num_bytes`` (an L3 object's
-    size, so backends that size their buffers by it take it) under ``key``."""
+    size, so backends that size their buffers by it take it) under ``key``,
+    found and read back; written first only when it is not there as it
+    should be."""
     pattern = np.frombuffer(hashlib.shake_256(key.encode()).digest(num_bytes), np.uint8)
     target = np.empty(num_bytes, np.uint8)
 
+    def read_back() -> str:
+        if backend.exists_prefix([key]) != 1:
+            return "not found"
+        target[:] = 0
+        if not backend.get([key], [[target]])[0]:
+            return "unreadable"
+        return "" if np.array_equal(target, pattern) else "read back other bytes"
+
     def check() -> str:
         try:
+            if not read_back():
+                return ""
             if not backend.put([key], [[pattern]])[0]:
                 return "write refused"
-            if backend.exists_prefix([key]) != 1:
-                return "written, then not found"
-            target[:] = 0
-            if not backend.get([key], [[target]])[0]:
-                return "written, then unreadable"
-            if not np.array_equal(target, pattern):
-                return "read back other bytes"
+            failure = read_back()
+            return f"written, then {failure}" if failure else ""
         except Exception as exc:  # noqa: BLE001 - any backend error is a failed check
             return f"raised {exc!r}"
-        return ""
 
     return check
 
