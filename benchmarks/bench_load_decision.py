@@ -354,9 +354,9 @@ def part_store_tax(args) -> tuple[list[str], bool]:
                 l3 = half.l3
                 counters[name] = {
                     "stored": half.stats.stored_blocks,
-                    "deferred": l3.backup_deferred, "flushed": l3.backup_flushed,
-                    "dropped": l3.backup_dropped, "evicted": l3.backup_evicted,
-                    "backlog": l3.backlog.num_blocks, "bound": l3.max_backup_pages,
+                    "deferred": l3.backups.backup_deferred, "flushed": l3.backups.backup_flushed,
+                    "dropped": l3.backups.backup_dropped, "evicted": l3.backups.backup_evicted,
+                    "backlog": l3.backups.backlog.num_blocks, "bound": l3.backups.max_backup_pages,
                     "L2 skipped (pinned)": half.stats.store_skipped_blocks,
                 }
         finally:

@@ -150,14 +150,14 @@ def test_deferred_backups_of_the_old_backend(tiny_model_dir, monkeypatch, mode, 
     lookups_answered_in_the_pass(monkeypatch)
     h, old_store = l3_harness(tiny_model_dir)
     old = h.sched_half.l3
-    old.max_backup_pages = 1  # one op in flight; the rest is deferred
+    old.backups.max_backup_pages = 1  # one op in flight; the rest is deferred
     gate = hold_backups(h)
     try:
         for i in range(3):
             h.add(f"d{i}", prompt(110 + i, 2 * BLOCK + 1), max_tokens=1)
             h.step(complete_async=False)
             h.step(complete_async=False)
-        assert old.backlog.num_blocks == 4
+        assert old.backups.backlog.num_blocks == 4
         new_name = uuid.uuid4().hex
         status, body = settle(h, control(h).submit(
             "attach", mem_spec(new_name, pending_backups=mode)), complete_async=False)

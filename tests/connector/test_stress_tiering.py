@@ -75,7 +75,7 @@ def build(tiny_model_dir, seed: int, store: str, instance: int):
     half = h.sched_half
     assert half.l3 is not None and half.l3.mode == opts["hicache_l3_mode"]
     assert half.l3.breaker_status() == {"state": "off"}
-    assert str(half.l3.admission.rule) == opts["hicache_l3_admission"]
+    assert str(half.l3.backups.admission.rule) == opts["hicache_l3_admission"]
     half.l3.world_size = 2  # the mixer plays rank 1
     h.worker_meta_filter = AckMixer(random.Random(seed * 10 + instance), (0.05, 0.35)[seed % 2])
     return h
@@ -136,7 +136,8 @@ def test_shared_l3_tiering_keeps_every_invariant(tiny_model_dir, seed: int) -> N
     if same_step(opts):  # lookups answer before each pass: some hit is admitted at once
         assert sum(p.same_step_admitted for p in l3s) > 0, "no same-step admission happened"
     if opts["hicache_l3_mode"] == "exclusive":
-        assert sum(p.victims.num_backed_up + p.victims.num_declined for p in l3s) > 0
+        assert sum(p.backups.victims.num_backed_up + p.backups.victims.num_declined
+                   for p in l3s) > 0
         assert sum(p.prefetched_blocks for p in l3s) > 0, "no victim came back from L3"
     for h in hs:
         drain_holding(h)
@@ -156,8 +157,8 @@ def drain_holding(h, max_steps: int = 400) -> None:
     h.step()
     half.check_integrity()
     assert {op.kind for op in half.ops.live()} <= {OpKind.VICTIM}, half.ops.live()
-    held = half.l3.l2_only_by_value()
+    held = half.l3.backups.l2_only_by_value()
     assert [v for *_, v in held] == sorted((v for *_, v in held), reverse=True)
-    assert half.l3.release_l2() == (len(held) if half.l3.victims is not None else 0)
+    assert half.l3.backups.release_l2() == (len(held) if half.l3.backups.victims is not None else 0)
     assert len(half.ops) == 0 and half.tree.num_locked_pages == 0
     assert not half.tree.allocated_pages()

@@ -56,14 +56,14 @@ def test_admission_rules_keep_answers_and_hit_where_the_rule_says(
             assert declined >= full_blocks - stored_once
         else:
             # Declined when stored, admitted by their second use.
-            assert half.l3.admission.num_declined > 0
-            assert half.l3.admission.num_admitted_later > 0
+            assert half.l3.backups.admission.num_declined > 0
+            assert half.l3.backups.admission.num_admitted_later > 0
             rule = rules["hicache_l3_admission"].split(":")[0]
             samples = planner_samples(half.l3)  # what /metrics is fed from
             assert samples[key("admission_declined_blocks", "L3", rule)] == \
-                half.l3.admission.num_declined
+                half.l3.backups.admission.num_declined
             assert samples[key("l3_admitted_late_blocks")] == \
-                half.l3.admission.num_admitted_later
+                half.l3.backups.admission.num_admitted_later
         generate(llm, [[1] * 40])  # a step or two: the admitted backups go out
         assert llm.reset_prefix_cache(reset_connector=True)  # L1 and L2
         outputs, cached = generate(llm, prompts)
@@ -97,19 +97,19 @@ def test_exclusive_l3_serves_what_l2_evicted(tiny_model_dir, tmp_path, write_pol
         if write_policy == "write_back":
             assert llm.reset_prefix_cache()  # L1 evicts all: written back to L2
             generate(llm, [[1] * 40])
-        assert half.l3.victims.num_backed_up > 0
-        assert half.l3.victims.num_backed_up < half.stats.stored_blocks
+        assert half.l3.backups.victims.num_backed_up > 0
+        assert half.l3.backups.victims.num_backed_up < half.stats.stored_blocks
         assert llm.reset_prefix_cache()  # L1 only: L2 and L3 serve
         again, cached = generate(llm, prompts[:2])
         assert again == first[:2]
         assert half.l3.prefetched_blocks > 0
         samples = planner_samples(half.l3)  # what /metrics is fed from
         assert samples[key("l3_exclusive_blocks", "victim_written")] == \
-            half.l3.victims.num_backed_up  # no write budget: every victim admitted went out
+            half.l3.backups.victims.num_backed_up  # no write budget: every victim admitted went out
         assert samples[key("l3_exclusive_blocks", "promoted")] == half.l3.prefetched_blocks
         assert cached == [4 * BLOCK_SIZE] * 2
         assert half.stats.load_error_blocks == 0
-        held = half.l3.l2_only_by_value()
-        assert held and len(held) == len(half.l3.victims)
+        held = half.l3.backups.l2_only_by_value()
+        assert held and len(held) == len(half.l3.backups.victims)
     finally:
         close(llm)

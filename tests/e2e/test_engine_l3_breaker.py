@@ -101,7 +101,7 @@ def run_outage(llm, reference, fail: Callable[[], None], heal: Callable[[], None
     outputs, cached = generate(llm, prompts)
     assert outputs == reference
     assert sorted(cached) == [0, 64, 64]
-    assert planner.breaker_skipped_lookups > 0 and planner.breaker_skipped_blocks > 0
+    assert planner.breaker_skipped_lookups > 0 and planner.backups.breaker_skipped_blocks > 0
 
     heal()
     wait_for(lambda: planner.health.usable, heal_s + PROBE_S + SLACK_S, "the breaker closes")

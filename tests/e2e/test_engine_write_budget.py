@@ -61,6 +61,6 @@ def test_a_write_budget_skips_blocks_and_keeps_answers(tiny_model_dir, reference
         assert 0 < written <= burst + rate * elapsed
         assert written == planner.write_budget.spent_bytes  # every planned byte landed
         # Each block is backed up or skipped, never both.
-        assert planner.backed_up_blocks * one == planner.write_budget.spent_bytes
+        assert planner.backups.backed_up_blocks * one == planner.write_budget.spent_bytes
     finally:
         close(llm)

@@ -92,13 +92,13 @@ def test_a_trip_stops_waits_and_drops_the_backlog(tiny_model_dir, monkeypatch):
         for _ in range(5):
             h.step(complete_async=False)
         assert "a" not in h.first_computed  # waits for its lookup
-        planner.backlog.defer([bytes([i]) * 32 for i in range(3)], (0, 1, 2))
+        planner.backups.backlog.defer([bytes([i]) * 32 for i in range(3)], (0, 1, 2))
         health.trip()
         start = time.monotonic()
         while "a" not in h.first_computed and time.monotonic() - start < 5:
             h.step(complete_async=False)
         assert h.first_computed["a"] == 0 and time.monotonic() - start < 2
-        assert len(planner.backlog) == 0
+        assert len(planner.backups.backlog) == 0
         # The 3 deferred ones, and the 4 blocks "a" computed, not backed up.
         assert planner_samples(planner)[key("store_skipped_blocks", "L3", "breaker")] == 3 + 4
     finally:

@@ -72,11 +72,11 @@ def test_inclusive_hits_2_backs_up_on_the_second_use():
     rig = Rig(16, "hits:2")
     a = chain(1, 3)
     assert rig.end_step(rig.store(a)) == []  # computed once: declined
-    assert rig.planner.admission.num_declined == 3
-    rig.planner.note_use(a[:2])  # a second request hits the first two blocks
+    assert rig.planner.backups.admission.num_declined == 3
+    rig.planner.backups.note_use(a[:2])  # a second request hits the first two blocks
     jobs = rig.end_step([])
     assert backed(jobs) == list(a[:2])  # from L2, the step after the hit
-    assert rig.planner.admission.num_admitted_later == 2
+    assert rig.planner.backups.admission.num_admitted_later == 2
 
 
 def test_inclusive_always_is_todays_write_through():
@@ -90,7 +90,7 @@ def test_a_declined_block_gone_from_l2_is_not_backed_up():
     a, b = chain(1, 2), chain(2, 4)
     rig.end_step(rig.store(a))
     rig.end_step(rig.store(b))  # evicts a
-    rig.planner.note_use(a)
+    rig.planner.backups.note_use(a)
     assert rig.end_step([]) == []
 
 
@@ -113,7 +113,7 @@ def test_exclusive_holds_until_l2_needs_the_room():
     rig.ack(jobs, ranks=(1,))
     evictable = rig.tree.num_free_pages + rig.tree.num_cached_pages - rig.tree.num_locked_pages
     assert evictable >= reserve
-    assert rig.planner.victims.num_backed_up == len(written)
+    assert rig.planner.backups.victims.num_backed_up == len(written)
 
 
 def test_exclusive_uses_make_a_hold_recent():
@@ -121,7 +121,7 @@ def test_exclusive_uses_make_a_hold_recent():
     a, b = chain(1, 6), chain(2, 6)
     rig.end_step(rig.store(a))
     rig.end_step(rig.store(b))
-    rig.planner.note_use(a)  # a is hot again: b leaves first
+    rig.planner.backups.note_use(a)  # a is hot again: b leaves first
     jobs = rig.end_step(rig.store(chain(3, 4)))
     assert set(backed(jobs)) <= set(b) and backed(jobs)
 
@@ -130,11 +130,11 @@ def test_exclusive_declined_pages_are_released_unwritten():
     rig = Rig(16, "hits:2", mode=L3Mode.EXCLUSIVE)
     a, b = chain(1, 6), chain(2, 6)
     rig.end_step(rig.store(a))
-    rig.planner.note_use(a[:3])  # a's first three blocks: 2 uses
+    rig.planner.backups.note_use(a[:3])  # a's first three blocks: 2 uses
     rig.end_step(rig.store(b))
     jobs = rig.end_step(rig.store(chain(3, 4)))
     assert backed(jobs) == list(a[:3])
-    assert rig.planner.victims.num_declined >= 3  # a[3:] released unwritten
+    assert rig.planner.backups.victims.num_declined >= 3  # a[3:] released unwritten
 
 
 def test_exclusive_waits_for_backups_when_every_page_is_held():
@@ -150,22 +150,22 @@ def test_l2_only_by_value_and_release():
     rig = Rig(32, "hits:1", mode=L3Mode.EXCLUSIVE)
     a, b = chain(1, 2), chain(2, 2)
     rig.end_step(rig.store(a) + rig.store(b))
-    rig.planner.note_use(b)
-    listed = rig.planner.l2_only_by_value()
+    rig.planner.backups.note_use(b)
+    listed = rig.planner.backups.l2_only_by_value()
     # b[1]: 2 uses x 32 tokens; a[1] and b[0]: 32; a[0]: 16.
     assert [(c[-1], v) for c, _, v in listed[:1]] == [(b[1], 64)]
     assert [v for *_, v in listed] == [64, 32, 32, 16]
     assert [v for *_, v in listed] == sorted((v for *_, v in listed), reverse=True)
-    assert rig.planner.release_l2() == 4
-    assert rig.tree.num_locked_pages == 0 and rig.planner.l2_only_by_value() == []
+    assert rig.planner.backups.release_l2() == 4
+    assert rig.tree.num_locked_pages == 0 and rig.planner.backups.l2_only_by_value() == []
 
 
 def test_inclusive_lists_deferred_backups_as_l2_only():
     rig = Rig(16)
-    rig.planner.max_backup_pages = 0  # every backup deferred
+    rig.planner.backups.max_backup_pages = 0  # every backup deferred
     a = chain(1, 3)
     assert rig.end_step(rig.store(a)) == []
-    assert sorted(c[-1] for c, _, _ in rig.planner.l2_only_by_value()) == sorted(a)
+    assert sorted(c[-1] for c, _, _ in rig.planner.backups.l2_only_by_value()) == sorted(a)
 
 
 @pytest.mark.parametrize("mode", list(L3Mode))
@@ -174,7 +174,7 @@ def test_a_lookups_only_planner_takes_either_mode(mode):
                           hicache_storage_backend_extra_config={}).storage
     planner = L3Planner(storage, MemBackend({"store": uuid.uuid4().hex}, {}), [], BLOCK,
                         world_size=1, max_inflight_pages=8, mode=mode)
-    assert planner.victims is None and planner.check() == []
+    assert planner.backups.victims is None and planner.check() == []
     planner.close()
 
 
@@ -188,7 +188,7 @@ def test_exclusive_value_rule_writes_the_prefix_of_what_it_admits():
     a, b, c = chain(1, 4), chain(2, 2), chain(3, 2)
     assert rig.end_step(rig.store(b)) == []
     assert rig.end_step(rig.store(a)) == []
-    assert rig.planner.victims.num_declined == 2
+    assert rig.planner.backups.victims.num_declined == 2
     assert backed(rig.end_step(rig.store(c))) == list(a)
 
 
@@ -198,8 +198,8 @@ def test_a_hit_stored_again_by_the_same_request_is_one_use():
     second use (hits:2 declines them); a later request's hit is."""
     rig = Rig(16, "hits:2")
     a = chain(1, 3)
-    rig.planner.note_use(a)          # the hit (update_state_after_alloc)...
+    rig.planner.backups.note_use(a)  # the hit (update_state_after_alloc)...
     assert rig.end_step(rig.store(a)) == []  # ...and its store, same step
-    assert [rig.planner.admission.hits(h) for h in a] == [1, 1, 1]
-    rig.planner.note_use(a)          # another request, a later step
+    assert [rig.planner.backups.admission.hits(h) for h in a] == [1, 1, 1]
+    rig.planner.backups.note_use(a)  # another request, a later step
     assert backed(rig.end_step([])) == list(a)

@@ -25,7 +25,7 @@ def test_inclusive_declines_and_late_admissions_are_samples():
     rig = Rig(16, "hits:2")
     a = chain(1, 3)
     rig.end_step(rig.store(a))
-    rig.planner.note_use(a[:2])
+    rig.planner.backups.note_use(a[:2])
     assert backed(rig.end_step([])) == list(a[:2])
     samples = planner_samples(rig.planner)
     assert samples[key("admission_declined_blocks", "L3", "hits")] == 3
@@ -39,7 +39,7 @@ def test_exclusive_counts_victims_written_declined_and_promoted():
     rig = Rig(16, "hits:2", mode=L3Mode.EXCLUSIVE)
     a, b = chain(1, 6), chain(2, 6)
     rig.end_step(rig.store(a))
-    rig.planner.note_use(a[:3])  # a's first three blocks: 2 uses
+    rig.planner.backups.note_use(a[:3])  # a's first three blocks: 2 uses
     rig.end_step(rig.store(b))
     jobs = rig.end_step(rig.store(chain(3, 4)))
     assert backed(jobs) == list(a[:3])

@@ -35,7 +35,7 @@ def test_a_planner_without_context_looks_up_but_plans_nothing(lookups_only):
     assert lookups_only.plan_prefetches() == []  # nothing finished: nothing to plan
     stored = [PinnedRange((b"\x01" * 32,), (0,), (3,))]
     with pytest.raises(RuntimeError, match="without a PlannerContext"):
-        lookups_only.plan_backup(stored, step=1)
+        lookups_only.backups.plan_backup(stored, step=1)
     with pytest.raises(RuntimeError, match="without a PlannerContext"):
         lookups_only.on_worker_meta(HiCacheWorkerMetadata())
 

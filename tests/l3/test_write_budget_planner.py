@@ -61,7 +61,7 @@ def test_blocks_over_the_budget_are_skipped_shallowest_kept_and_counted():
     assert planner_samples(planner)[key("store_skipped_blocks", "L3", "write_budget")] == 2
     assert planner.plan_backups([stored(tree, B)], step=2) == []  # 50 bytes left: none
     assert planner.budget_skipped_bandwidth == 6
-    assert len(planner.backlog) == 0               # skipped, not deferred
+    assert len(planner.backups.backlog) == 0       # skipped, not deferred
     clock.now += 1.0                               # 150 bytes: one block
     assert written(planner.plan_backups([stored(tree, B[:1])], step=3)) == [B[0]]
     assert planner.write_budget.spent_bytes == 3 * BLOCK_BYTES
@@ -70,7 +70,7 @@ def test_blocks_over_the_budget_are_skipped_shallowest_kept_and_counted():
 def test_a_used_block_outranks_an_unused_one():
     planner, tree, _ = planner_with(l3_write_budget_bytes_per_s=100,
                                     l3_write_burst_bytes=200)
-    planner.note_use(B[:1])
+    planner.backups.note_use(B[:1])
     jobs = planner.plan_backups([stored(tree, A), stored(tree, B)], step=1)
     assert written(jobs) == [A[0], B[0]]
 
@@ -86,7 +86,7 @@ def test_the_day_limit_counts_as_its_own_reason():
 def test_no_budget_writes_everything():
     planner, tree, _ = planner_with()
     assert written(planner.plan_backups([stored(tree, A)], step=1)) == list(A)
-    assert planner.budget_blocks() is None
+    assert planner.backups.budget_blocks() is None
 
 
 def test_a_budget_below_one_block_is_refused_at_start():

@@ -40,14 +40,14 @@ def stop_harness(tiny_model_dir, timeout_s: int = 20):
     run_held(h)
     h.step(complete_async=False)
     planner = h.sched_half.l3
-    assert planner.backlog.num_blocks >= 6 and planner.open_backup_blocks() >= 6
+    assert planner.backups.backlog.num_blocks >= 6 and planner.backups.open_backup_blocks() >= 6
     return h, store, stop, flag, clock, gate
 
 
 def queued(h) -> tuple[int, int]:
     """(blocks in backups in flight, blocks deferred)"""
     planner = h.sched_half.l3
-    return planner.open_backup_blocks(), planner.backlog.num_blocks
+    return planner.backups.open_backup_blocks(), planner.backups.backlog.num_blocks
 
 
 def test_a_stop_writes_the_backlog_out_and_says_so(tiny_model_dir, monkeypatch):
@@ -68,7 +68,7 @@ def test_a_stop_writes_the_backlog_out_and_says_so(tiny_model_dir, monkeypatch):
     run_idle(h)  # vLLM's drain: it steps while the connector has work
     planner = h.sched_half.l3
     assert stop.stopping
-    assert planner.backlog.num_blocks == 0 and planner.open_backup_blocks() == 0
+    assert planner.backups.backlog.num_blocks == 0 and planner.backups.open_backup_blocks() == 0
     # The deferred blocks went out through the stop's pick.
     assert sum(picked) == deferred
     assert num_pages_stored(store) == in_flight + deferred
@@ -89,7 +89,7 @@ def test_when_the_flush_time_is_up_the_rest_is_dropped_and_counted(tiny_model_di
         assert half.has_pending_work()  # stopping, within the flush time
         clock.now_s += stop.budget.flush_s + 0.01
         assert not half.has_pending_work()  # backups open, but the budget is spent
-        assert planner.backlog.num_blocks == 0
+        assert planner.backups.backlog.num_blocks == 0
         line = stop.final_line(planner)
         assert f"0 blocks written to L3 ({in_flight + deferred} were queued at the " \
                "signal, 0 more only L1 held)" in line, line
@@ -130,7 +130,7 @@ def test_a_tripped_breaker_does_not_keep_the_stop_waiting(tiny_model_dir):
     gate.set()
     run_idle(h)  # the in-flight backups finish; the backlog is skipped by the breaker
     assert not half.has_pending_work() and not stop.budget.flush_s <= clock.now_s - 100.0
-    assert planner.open_backup_blocks() == 0 and planner.backlog.num_blocks == 0
+    assert planner.backups.open_backup_blocks() == 0 and planner.backups.backlog.num_blocks == 0
     assert num_pages_stored(store) == in_flight
     line = stop.final_line(planner)
     assert f"{in_flight} blocks written to L3" in line, line

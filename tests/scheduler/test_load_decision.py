@@ -149,7 +149,7 @@ def test_always_loads_a_slow_tier(tiny_model_dir):
 
 def _l3_backlog_harness(tiny_model_dir, max_backup_pages: int):
     h, store = l3_harness(tiny_model_dir, policy="best_effort")
-    h.sched_half.l3.max_backup_pages = max_backup_pages
+    h.sched_half.l3.backups.max_backup_pages = max_backup_pages
     return h, store
 
 
@@ -180,20 +180,20 @@ def test_backups_over_the_bound_are_deferred_then_caught_up_when_idle(tiny_model
             if "a" in h.first_computed and not h.scheduler.has_unfinished_requests():
                 break
         # Nothing was in flight: one step's stores all go (6 pages > the bound).
-        assert planner.backup_deferred == 0
+        assert planner.backups.backup_deferred == 0
         h.add("b", prompt(801, 6 * BLOCK + 1), max_tokens=1)
         run_held(h)
         h.step(complete_async=False)  # b's stores acknowledged
         # 6 pages in flight >= the bound: b's 6 blocks wait, unpinned.
-        assert planner.backup_deferred == 6
-        assert planner.backlog.num_blocks == 6
+        assert planner.backups.backup_deferred == 6
+        assert planner.backups.backlog.num_blocks == 6
         assert h.sched_half.tree.num_locked_pages == 6
     finally:
         gate.set()
     # Idle: vLLM keeps stepping while the backlog is not empty.
     run_idle(h)
-    assert planner.backlog.num_blocks == 0
-    assert planner.backup_flushed == 6
+    assert planner.backups.backlog.num_blocks == 0
+    assert planner.backups.backup_flushed == 6
     assert num_pages_stored(store) == 12
     assert h.sched_half.tree.num_locked_pages == 0
     sent = kv_stats_sent(h)
@@ -209,7 +209,7 @@ def test_backups_over_the_bound_are_deferred_then_caught_up_when_idle(tiny_model
 def test_full_backlog_drops_the_least_valuable_and_counts_it(tiny_model_dir):
     h, store = _l3_backlog_harness(tiny_model_dir, max_backup_pages=1)
     planner = h.sched_half.l3
-    planner.backlog = BackupBacklog(max_blocks=4)
+    planner.backups.backlog = BackupBacklog(max_blocks=4)
     gate = hold_backups(h)
     try:
         for i, name in enumerate("abc"):
@@ -217,13 +217,13 @@ def test_full_backlog_drops_the_least_valuable_and_counts_it(tiny_model_dir):
             run_held(h)
         # a went out (nothing in flight); b and c (3 blocks each) were
         # deferred into a backlog of 4 blocks: 2 dropped.
-        assert planner.backup_deferred == 6
-        assert planner.backup_dropped == 2
-        assert planner.backlog.num_blocks == 4
+        assert planner.backups.backup_deferred == 6
+        assert planner.backups.backup_dropped == 2
+        assert planner.backups.backlog.num_blocks == 4
     finally:
         gate.set()
     run_idle(h)
-    assert planner.backup_flushed == 4
+    assert planner.backups.backup_flushed == 4
     assert num_pages_stored(store) == 3 + 4
     assert_clean(h)
 
@@ -237,12 +237,12 @@ def test_deferred_backup_of_an_evicted_page_is_counted(tiny_model_dir):
             h.add(name, prompt(820 + i, 3 * BLOCK + 1), max_tokens=1)
             run_held(h)
         h.step(complete_async=False)  # b's stores acknowledged: unpinned
-        assert planner.backlog.num_blocks == 3
+        assert planner.backups.backlog.num_blocks == 3
         assert h.sched_half.reset_cache()  # b's pages leave L2 (a's are pinned)
     finally:
         gate.set()
     run_idle(h)
-    assert planner.backup_evicted == 3
-    assert planner.backup_flushed == 0
+    assert planner.backups.backup_evicted == 3
+    assert planner.backups.backup_flushed == 0
     assert num_pages_stored(store) == 3
     assert_clean(h)

@@ -116,7 +116,7 @@ class BackfillRun:
             return []
         budget = min(backfill.pages_per_step,
                      backfill.max_inflight_pages - backfill.inflight_pages(planner))
-        affordable = planner.budget_blocks()  # the L3 write budget: the rest waits
+        affordable = planner.backups.budget_blocks()  # the L3 write budget: the rest waits
         if affordable is not None:
             budget = min(budget, affordable)
         ranges = backfill.next_ranges(tree, budget) if budget > 0 else []
@@ -127,7 +127,7 @@ class BackfillRun:
                 self._done_report = backfill.report(planner)
                 self._backfill = None
             return []
-        jobs = planner.plan_backup(ranges, step)
+        jobs = planner.backups.plan_backup(ranges, step)
         backfill.opened(jobs[0].op_id, sum(len(r.pages) for r in ranges))
         return jobs
 

@@ -103,9 +103,9 @@ def _prefetch_knobs(storage: StorageConfig) -> dict[str, Any]:
 def _l3_counters(planner: L3Planner) -> dict[str, Any]:
     return {
         "prefetched_blocks": planner.prefetched_blocks,
-        "backed_up_blocks": planner.backed_up_blocks,
+        "backed_up_blocks": planner.backups.backed_up_blocks,
         "skipped_lookups": planner.skipped_lookups,
-        "write_budget_skipped_blocks": dict(planner.budget.skipped),
+        "write_budget_skipped_blocks": dict(planner.backups.budget.skipped),
         "write_budget_spent_bytes": planner.write_budget.spent_bytes,
     }
 

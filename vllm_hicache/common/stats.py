@@ -285,13 +285,8 @@ _PLANNER_SAMPLES = {
     "skipped_lookups": key("prefetches", "backpressure"),
     "prefetch_not_worth": key("prefetches", "recompute_cheaper"),
     "lookup_errors": key("l3_errors", "lookup"),
-    "backup_deferred": key("backup_deferred_blocks", "deferred"),
-    "backup_flushed": key("backup_deferred_blocks", "flushed"),
-    "backup_dropped": key("store_skipped_blocks", "L3", "backlog"),
-    "backup_evicted": key("store_skipped_blocks", "L3", "evicted"),
     "breaker_skipped_lookups": key("prefetches", "breaker"),
     "same_step_admitted": key("prefetches", "same_step"),
-    "breaker_skipped_blocks": key("store_skipped_blocks", "L3", "breaker"),
     "breaker_trips": key("l3_breaker_trips"),
     "budget_skipped_bandwidth": key("store_skipped_blocks", "L3", "write_budget"),
     "budget_skipped_day": key("store_skipped_blocks", "L3", "daily_budget"),
@@ -299,9 +294,21 @@ _PLANNER_SAMPLES = {
     "l3_removed_unmapped": key("l3_removed_blocks", "unmapped"),
 }
 
+# L3Backups attribute -> sample (read with getattr from ``planner.backups``,
+# l3/backups.py: the planner's backups keep them).
+_BACKUP_SAMPLES = {
+    "backup_deferred": key("backup_deferred_blocks", "deferred"),
+    "backup_flushed": key("backup_deferred_blocks", "flushed"),
+    "backup_dropped": key("store_skipped_blocks", "L3", "backlog"),
+    "backup_evicted": key("store_skipped_blocks", "L3", "evicted"),
+    "breaker_skipped_blocks": key("store_skipped_blocks", "L3", "breaker"),
+}
+
 
 def planner_samples(planner) -> dict[str, float]:
     out = {sample: getattr(planner, attr, 0) for attr, sample in _PLANNER_SAMPLES.items()}
+    backups = getattr(planner, "backups", None)
+    out.update({sample: getattr(backups, attr, 0) for attr, sample in _BACKUP_SAMPLES.items()})
     # (The node tier's page counts come from common/node_counts.py's tallies.)
     out.update(tiering_samples(planner))
     return out
@@ -309,18 +316,20 @@ def planner_samples(planner) -> dict[str, float]:
 
 def tiering_samples(planner) -> dict[str, float]:
     """The L2 -> L3 boundary's admission, exclusive mode and write budget
-    (l3/admission.py, l3/victims.py, l3/backup_budget.py), where the planner
-    has them (a planner without an admission or budget: none)."""
+    (l3/admission.py, l3/victims.py, l3/backup_budget.py), where the
+    planner's backups (``planner.backups``, l3/backups.py) have them (a
+    planner without backups, an admission or a budget: none)."""
     out: dict[str, float] = {}
-    admission = getattr(planner, "admission", None)
+    backups = getattr(planner, "backups", None)
+    admission = getattr(backups, "admission", None)
     if admission is not None:
         out[key("admission_declined_blocks", "L3", str(admission.rule.kind))] = \
             admission.num_declined
         out[key("l3_admitted_late_blocks")] = admission.num_admitted_later
-    if getattr(planner, "victims", None) is not None:
-        out[key("l3_exclusive_blocks", "victim_written")] = planner.victim_written_blocks
+    if backups is not None and getattr(backups, "victims", None) is not None:
+        out[key("l3_exclusive_blocks", "victim_written")] = backups.victim_written_blocks
         out[key("l3_exclusive_blocks", "promoted")] = planner.prefetched_blocks
-    budget = getattr(planner, "budget", None)
+    budget = getattr(backups, "budget", None)
     if budget is not None and budget.enabled:
         out[key("l3_write_budget_bytes", "written")] = budget.bucket.spent_bytes
         for reason, blocks in budget.skipped.items():

@@ -2,7 +2,7 @@
 
 A block's uses at this boundary are counted once per request: the request
 that computed it (its store to L2) and every request that hit it (or
-declined an L2 hit on it), ``L3Planner.note_use``. The rule itself is
+declined an L2 hit on it), ``L3Backups.note_use``. The rule itself is
 policy/admission.py's.
 
 Inclusive mode asks when L2 stores a block (``filter``). A block the rule

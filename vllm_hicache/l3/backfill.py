@@ -40,7 +40,7 @@ class Backfill:
         return self._next < len(self._nodes)
 
     def inflight_pages(self, planner: L3Planner) -> int:
-        for op_id in [o for o in self._open if not planner.is_backup_open(o)]:
+        for op_id in [o for o in self._open if not planner.backups.is_backup_open(o)]:
             del self._open[op_id]
         return sum(self._open.values())
 

@@ -1,7 +1,8 @@
 """Scheduler half of the L3 tier, its backups: which pages stored to L2 are
 written to L3, when, and what is known once every rank acknowledged. The
-planner (l3/planner.py) owns one ``L3Backups`` and delegates its backup
-methods to it; lookups and prefetches stay the planner's.
+planner (l3/planner.py) owns one ``L3Backups`` (``planner.backups``, which
+callers use directly; the planner's ``plan_backups`` announces the step's
+removals first); lookups and prefetches stay the planner's.
 
 Invariant: every page of a backup sent to the workers is pinned by its
 BACKUP op (common/page_ops.py) until every rank has acknowledged it; a

@@ -9,7 +9,7 @@ gets host pages (bounded by the in-flight cap) and becomes a PrefetchJob
 for the workers.
 As every rank reports progress, the pages all ranks have verified are
 inserted into the tree: from then on they are ordinary L2 hits. Backup
-(l3/backups.py, which the planner owns and delegates its backup methods to):
+(l3/backups.py; the planner owns it as ``backups``, which callers use directly):
 pages stored to L2 in a step are written to L3 by the workers after the
 store; a BACKUP op (page_ops.py) pins them until every rank has acknowledged.
 
@@ -75,8 +75,6 @@ from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
 from vllm_hicache.daemon_pool import DaemonPool
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import KeyNamespace
-from vllm_hicache.l3.admission import L3Admission
-from vllm_hicache.l3.backup_budget import BackupBudget
 from vllm_hicache.l3.backups import L3Backups, PickL2Only
 from vllm_hicache.l3.breaker import STATE_GAUGE, BreakerState
 from vllm_hicache.l3.canary import is_canary_key
@@ -85,9 +83,7 @@ from vllm_hicache.l3.hit_stages import HitTimes, wait_stages
 from vllm_hicache.l3.node_events import NodeTierEvents
 from vllm_hicache.l3.removals import RemovedKeys
 from vllm_hicache.l3.report_wait import step_budget_s
-from vllm_hicache.l3.victims import VictimHolds
 from vllm_hicache.policy.admission import ALWAYS, AdmissionRule, L3Mode
-from vllm_hicache.policy.offload import BackupBacklog
 from vllm_hicache.policy.prefetch import (
     PREFETCH_THRESHOLD_AUTO,
     PrefetchPolicy,
@@ -263,12 +259,12 @@ class L3Planner:
 
     @property
     def write_budget(self) -> WriteBudget:
-        return self.budget.bucket
+        return self.backups.budget.bucket
 
     @property
     def block_bytes(self) -> int:
         """One block's bytes in L3, all ranks' objects (what a backup spends)."""
-        return self.budget.block_bytes
+        return self.backups.budget.block_bytes
 
     @property
     def l3_removed_unmapped(self) -> int:
@@ -276,11 +272,11 @@ class L3Planner:
 
     @property
     def budget_skipped_bandwidth(self) -> int:
-        return self.budget.skipped[REASON_BANDWIDTH]
+        return self.backups.budget.skipped[REASON_BANDWIDTH]
 
     @property
     def budget_skipped_day(self) -> int:
-        return self.budget.skipped[REASON_DAY]
+        return self.backups.budget.skipped[REASON_DAY]
 
     def _context(self) -> PlannerContext:
         """The scheduler state; planning or completing ops without it is a bug."""
@@ -613,10 +609,6 @@ class L3Planner:
 
     # --- backups (l3/backups.py) ----------------------------------------------
 
-    def plan_backup(self, stored: list[PinnedRange], step: int) -> list[BackupJob]:
-        """One backup op for ``stored`` (L3Backups.plan_backup)."""
-        return self.backups.plan_backup(stored, step)
-
     def plan_backups(self, stored: list[PinnedRange], step: int,
                      pick: PickL2Only | None = None) -> list[BackupJob]:
         """This step's stored pages, as far as L3's admission rule admits
@@ -634,107 +626,9 @@ class L3Planner:
             self._announce_removed(self.backend.take_removed_keys(), self.ctx.events)
         return self.backups.plan_backups(stored, step, self._usable, pick)
 
-    def release_l2(self) -> int:
-        """Hold no L2 page any more (L2 is being cleared, or this planner
-        detached); blocks released unwritten."""
-        return self.backups.release_l2()
-
-    def l2_only_by_value(self) -> list[tuple[tuple[bytes, ...], int, int]]:
-        """Blocks L2 holds that L3 lacks, most valuable first (L3Backups.l2_only_by_value)."""
-        return self.backups.l2_only_by_value()
-
     def check(self) -> list[str]:
         """Problems with what this planner holds in L2 (empty when all is well)."""
         return self.backups.check()
-
-    def take_backlog(self, tree: HiRadixTree, room: int) -> list[PinnedRange]:
-        """Up to ``room`` deferred blocks whose pages are still in L2, most valuable first."""
-        return self.backups.take_backlog(tree, room)
-
-    def flush_backlog(self, step: int) -> list[BackupJob]:
-        """Every deferred block still in L2, as one backup op, whatever is in
-        flight: a replaced backend's last backups (l3/retiring.py)."""
-        return self.backups.flush_backlog(step)
-
-    def budget_blocks(self) -> int | None:
-        """Blocks the write budget lets a backup write now; None: no budget."""
-        return self.backups.budget_blocks()
-
-    def open_backup_blocks(self) -> int:
-        """Blocks of backups not yet acknowledged by every rank."""
-        return self.backups.open_backup_blocks()
-
-    def drop_backlog(self) -> int:
-        """Forget every deferred backup (a stop ran out of time); returns the blocks."""
-        return self.backups.drop_backlog()
-
-    def note_use(self, hashes) -> None:
-        """A request used these blocks (its hit): deferred backups and held
-        pages of them gain value, declined ones may now be admitted."""
-        self.backups.note_use(hashes)
-
-    # The backups' state and counters, read by the scheduler half, the
-    # admin status, the metrics (stats.planner_samples) and tests.
-
-    @property
-    def backlog(self) -> BackupBacklog:
-        return self.backups.backlog
-
-    @backlog.setter
-    def backlog(self, backlog: BackupBacklog) -> None:
-        self.backups.backlog = backlog
-
-    @property
-    def max_backup_pages(self) -> int:
-        return self.backups.max_backup_pages
-
-    @max_backup_pages.setter
-    def max_backup_pages(self, pages: int) -> None:
-        self.backups.max_backup_pages = pages
-
-    @property
-    def admission(self) -> L3Admission:
-        return self.backups.admission
-
-    @property
-    def victims(self) -> VictimHolds | None:
-        return self.backups.victims
-
-    @property
-    def budget(self) -> BackupBudget:
-        return self.backups.budget
-
-    @property
-    def backed_up_blocks(self) -> int:
-        return self.backups.backed_up_blocks
-
-    @property
-    def written_blocks(self) -> int:
-        return self.backups.written_blocks
-
-    @property
-    def victim_written_blocks(self) -> int:
-        return self.backups.victim_written_blocks
-
-    @property
-    def breaker_skipped_blocks(self) -> int:
-        return self.backups.breaker_skipped_blocks
-
-    @property
-    def backup_deferred(self) -> int:
-        return self.backups.backup_deferred
-
-    @property
-    def backup_flushed(self) -> int:
-        return self.backups.backup_flushed
-
-    @property
-    def backup_dropped(self) -> int:
-        return self.backups.backup_dropped
-
-    @property
-    def backup_evicted(self) -> int:
-        return self.backups.backup_evicted
 
     # --- admin (runtime attach, admin/storage_control.py) --------------------------------
 
@@ -743,9 +637,6 @@ class L3Planner:
         lookups queued or running."""
         return {"backups": self.backups.num_open(), "prefetches": len(self._ops),
                 "lookups": self._num_pending_lookups}
-
-    def is_backup_open(self, op_id: int) -> bool:
-        return self.backups.is_backup_open(op_id)
 
     def set_generation(self, generation: int) -> None:
         """Tag this planner's jobs and prefetch op ids with ``generation``;
@@ -775,10 +666,6 @@ class L3Planner:
                 tree.free(op.pages)
         self._same_step_jobs = []
 
-    def open_backup_pages(self) -> int:
-        """Pages of backups sent to the workers and not acknowledged by all."""
-        return self.backups.open_backup_pages()
-
     def is_idle(self) -> bool:
         """No prefetch or backup open (lookups aside)."""
         return not self._ops and not self.backups.num_open()
@@ -787,7 +674,7 @@ class L3Planner:
         """New prefetch policy and knobs for the same backend and options;
         lookups already started keep their deadlines."""
         if cfg.write_budget != self.cfg.write_budget:
-            self.budget.reconfigure(cfg.write_budget)
+            self.backups.budget.reconfigure(cfg.write_budget)
         self.cfg = cfg
         self._set_threshold(cfg)
         self.prefetch_policy = PrefetchPolicy(
@@ -797,7 +684,7 @@ class L3Planner:
     def awaits_io(self) -> bool:
         """Lookups still running, prefetches not yet acknowledged, or
         deferred backups to catch up on."""
-        return bool(self._ops) or self._num_pending_lookups > 0 or len(self.backlog) > 0
+        return bool(self._ops) or self._num_pending_lookups > 0 or len(self.backups.backlog) > 0
 
     def prefetch_pages(self) -> set[int]:
         """Pages open prefetches hold outside the tree (not yet committed)."""

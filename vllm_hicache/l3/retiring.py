@@ -47,10 +47,10 @@ class RetiringPlanner:
         self.started = time.monotonic()
         self.deadline = self.started + drain_s
         planner.stop_lookups()
-        backlog = planner.backlog
+        backlog = planner.backups.backlog
         # What was pending at the switch (the answer's counts).
         self.at_switch = {
-            "backup_pages_sent": planner.open_backup_pages(),
+            "backup_pages_sent": planner.backups.open_backup_pages(),
             "backup_blocks_deferred": backlog.num_blocks,
             "prefetches_stopped": planner.in_flight()["prefetches"],
         }
@@ -63,7 +63,7 @@ class RetiringPlanner:
         if mode == PendingBackups.MOVE and successor is not None:
             for entry in backlog.take(backlog.num_blocks):
                 self.moved_blocks += len(entry.blocks)
-                self.dropped_blocks += successor.backlog.defer(entry.chain, entry.blocks)
+                self.dropped_blocks += successor.backups.backlog.defer(entry.chain, entry.blocks)
             self.moved_blocks -= self.dropped_blocks
         elif mode != PendingBackups.FINISH:  # drop (or move with nowhere to go)
             self.dropped_blocks += backlog.clear()
@@ -79,27 +79,27 @@ class RetiringPlanner:
             return []
         self._flushed = True
         planner = self.planner
-        evicted = planner.backup_evicted
-        jobs = planner.flush_backlog(step)
+        evicted = planner.backups.backup_evicted
+        jobs = planner.backups.flush_backlog(step)
         self.flushed_blocks = sum(len(job.pages) for job in jobs)
-        self.dropped_blocks += planner.backup_evicted - evicted  # left L2 meanwhile
+        self.dropped_blocks += planner.backups.backup_evicted - evicted  # left L2 meanwhile
         return jobs
 
     def on_worker_meta(self, meta: HiCacheWorkerMetadata) -> None:
         for op_id, hashes in meta.backup_failures.items():
-            if self.planner.is_backup_open(op_id):  # reported no later than its ack
+            if self.planner.backups.is_backup_open(op_id):  # reported no later than its ack
                 self.unwritten_pages += len(hashes)
         self.planner.on_worker_meta(meta)
 
     def done(self) -> bool:
-        return self.planner.is_idle() and not len(self.planner.backlog)
+        return self.planner.is_idle() and not len(self.planner.backups.backlog)
 
     def report(self) -> dict[str, Any]:
         planner = self.planner
         return {
             "backend": planner.cfg.backend, "generation": planner.generation,
             "pending_backups": str(self.mode), **self.at_switch,
-            "backup_pages_open": planner.open_backup_pages(),
+            "backup_pages_open": planner.backups.open_backup_pages(),
             "backup_pages_unwritten": self.unwritten_pages,
             "backup_blocks_flushed": self.flushed_blocks,
             "backup_blocks_moved": self.moved_blocks,

@@ -52,27 +52,27 @@ def l2_only_blocks(planner: L3Planner) -> int:
     """Blocks whose pages only L2 holds and a stop should write to L3: the
     deferred backlog, or in exclusive mode the held blocks (the planner
     releases those itself when given a pick)."""
-    if planner.victims is not None:
-        return len(planner.victims)
-    return planner.backlog.num_blocks
+    if planner.backups.victims is not None:
+        return len(planner.backups.victims)
+    return planner.backups.backlog.num_blocks
 
 
 def pick_l2_only(planner: L3Planner, tree: HiRadixTree, room: int) -> list[PinnedRange]:
     """Up to ``room`` of the ``l2_only_blocks`` to back up next, most valuable first."""
-    return planner.take_backlog(tree, room)
+    return planner.backups.take_backlog(tree, room)
 
 
 @dataclass
 class _Stop:
     started_s: float
-    written_before: int = 0  # planner.written_blocks when the stop was seen
+    written_before: int = 0  # planner.backups.written_blocks when the stop was seen
     queued: int = 0          # blocks open or L2-only when the stop was seen
     dropped: int = 0         # L2-only blocks dropped when the flush time ran out
     from_l1: int = 0         # write-back: blocks only L1 held, copied to L2 for L3
     stepped: bool = False    # a step was planned since the stop was seen
     open_at_deadline: int = 0
     expired: bool = False
-    breaker_skipped_before: int = 0  # planner.breaker_skipped_blocks when the stop was seen
+    breaker_skipped_before: int = 0  # planner.backups.breaker_skipped_blocks when the stop was seen
 
 
 class GracefulStop:
@@ -95,9 +95,9 @@ class GracefulStop:
             if self._stop_requested is None or not self._stop_requested():
                 return
             self._stop = _Stop(self._clock()) if planner is None else _Stop(
-                self._clock(), planner.written_blocks,
-                planner.open_backup_blocks() + l2_only_blocks(planner),
-                breaker_skipped_before=planner.breaker_skipped_blocks)
+                self._clock(), planner.backups.written_blocks,
+                planner.backups.open_backup_blocks() + l2_only_blocks(planner),
+                breaker_skipped_before=planner.backups.breaker_skipped_blocks)
             if self.budget.graceful:
                 logger.info("HiCache: stop requested: writing %d queued blocks to L3 within "
                             "%.1f s (vLLM's --shutdown-timeout %g s)", self._stop.queued,
@@ -109,8 +109,8 @@ class GracefulStop:
         if not stop.expired and self._clock() - stop.started_s >= self.budget.flush_s:
             stop.expired = True
             if planner is not None:
-                stop.dropped = planner.drop_backlog()
-                stop.open_at_deadline = planner.open_backup_blocks()
+                stop.dropped = planner.backups.drop_backlog()
+                stop.open_at_deadline = planner.backups.open_backup_blocks()
 
     def pick(self, planner: L3Planner | None) -> PickL2Only | None:
         """What the planner's room goes to during the flush time (None: its default)."""
@@ -151,14 +151,15 @@ class GracefulStop:
         stop = self._stop
         if stop is None:
             return None
-        written = (planner.written_blocks if planner is not None else 0) - stop.written_before
+        written = ((planner.backups.written_blocks if planner is not None else 0)
+                   - stop.written_before)
         elapsed_s = self._clock() - stop.started_s
         if not stop.expired and planner is not None:
             # vLLM ended the stop before the flush time was up: nothing was
             # dropped here, but what is left is lost all the same.
             stop.dropped = l2_only_blocks(planner)
-            stop.open_at_deadline = planner.open_backup_blocks()
-        skipped = (planner.breaker_skipped_blocks - stop.breaker_skipped_before
+            stop.open_at_deadline = planner.backups.open_backup_blocks()
+        skipped = (planner.backups.breaker_skipped_blocks - stop.breaker_skipped_before
                    if planner is not None else 0)
         breaker = (f"; {skipped} blocks not written because the L3 circuit breaker was not "
                    f"closed" if skipped else "")

@@ -247,7 +247,7 @@ class HiCacheScheduler:
         owner closes it once every rank has dropped its client)."""
         planner, self._l3 = self._l3, None
         if planner is not None:
-            planner.release_l2()  # exclusive L3's holds would pin L2 forever
+            planner.backups.release_l2()  # exclusive L3's holds would pin L2 forever
         return planner
 
     def install_commands(self, commands: StepCommands) -> None:
@@ -403,7 +403,7 @@ class HiCacheScheduler:
         # prefix vLLM keeps serving from its own cache must not age out of L2.
         self.tree.touch(request.block_hashes, end + declined, priority=-request.priority)
         if self.l3 is not None:
-            self.l3.note_use(request.block_hashes[: end + declined])
+            self.l3.backups.note_use(request.block_hashes[: end + declined])
         if looked_up.l3_pages and l2_end < end:  # read in this step (l3/same_step.py)
             assert self.l3 is not None, req_id
             self._step_same_step.append(
@@ -761,7 +761,7 @@ class HiCacheScheduler:
             **self.load_gate.gauge_samples(),
         }
         if self.l3 is not None:
-            gauges[key("backup_backlog_blocks")] = self.l3.backlog.num_blocks
+            gauges[key("backup_backlog_blocks")] = self.l3.backups.backlog.num_blocks
             gauges[key("l3_breaker_state")] = self.l3.breaker_gauge()
         counters, changed = self._report.take(
             self.stats, self.l3, gauges, {key("kv_events_dropped"): self.events.dropped,
@@ -806,7 +806,7 @@ class HiCacheScheduler:
         """Drop L2 (``reset_prefix_cache(reset_connector=True)``); pinned
         pages stay until their operations end."""
         if self.l3 is not None:
-            self.l3.release_l2()  # held pages must go with the rest
+            self.l3.backups.release_l2()  # held pages must go with the rest
         self.events.removed(MEDIUM_L2, self.tree.clear())
         self.stores.write_policy.clear()
         if self.stores.write_back is not None:
