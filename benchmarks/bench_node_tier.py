@@ -27,7 +27,9 @@ Measured, in this order:
    engines', against S.
 3. TTFT of a cross-instance hit: a document computed by instance A, asked on
    B (its pages come from the node tier), against a same-instance L2 hit (A
-   asks it again after emptying vLLM's own cache); the two alternate.
+   asks it again after emptying vLLM's own cache); the two alternate, and
+   before each the third instance computes a token, so that neither is the
+   process that ran last (whose weights the CPU's cache still holds).
 
 Every answer must equal vLLM alone's (exit status 1 otherwise). Timings on a
 machine shared with other jobs are noisy: read the ratios.
@@ -38,6 +40,7 @@ machine shared with other jobs are noisy: read the ratios.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -177,8 +180,8 @@ def part_memory(fleet: dict[str, list[Instance]], root: str) -> dict:
 
 
 def part_ttft(plan: P.Plan, fleet: dict[str, list[Instance]], asked: list[dict]) -> dict:
-    a, b = fleet[NODE][0], fleet[NODE][1]
-    docs = P.documents(plan, "ttft")
+    a, b, other = fleet[NODE]
+    docs = P.documents(dataclasses.replace(plan, docs=max(plan.docs, plan.ttft_trials)), "ttft")
     l2, cross, cold = [], [], []
     short: list[str] = []  # hits that did not serve the whole document
     hits_before, reads_before = tier_hits([b])
@@ -190,6 +193,11 @@ def part_ttft(plan: P.Plan, fleet: dict[str, list[Instance]], asked: list[dict])
         order = (("L2", a), ("node", b)) if t % 2 == 0 else (("node", b), ("L2", a))
         for kind, inst in order:
             inst.call("reset_l1")
+            # The same warm state for both: another process computed last.
+            # (B is never the process that ran last, A is after its own
+            # settle; A's hits were 2 ms faster then: its weights still in
+            # the CPU's cache.)
+            other.call("generate", prompt=[7, 8], max_tokens=1)
             got = ask(inst, doc + P.question(plan, "ttft", kind, t))
             if got["cached"] != P.reusable_tokens(len(got["prompt"])):
                 short.append(f"trial {t}, {kind} hit: {got['cached']} of "

@@ -55,8 +55,12 @@ class Engine:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             detokenize=False)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+        m = out.metrics
+        # queue: waiting in the engine (lookups, async loads); run: from the
+        # step that admitted it to its first token (in-step loads, forward).
         return {"answer": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
-                "ttft_s": out.metrics.first_token_latency}
+                "ttft_s": m.first_token_latency, "queue_s": m.scheduled_ts - m.queued_ts,
+                "run_s": m.first_token_ts - m.scheduled_ts}
 
     def reset_l1(self) -> dict:
         if not self.llm.reset_prefix_cache():

@@ -39,7 +39,7 @@ class Plan:
     # hit is prefetched into it, at most ``staging_prefetch_pages`` at once.
     staging_ratio: float = 2.0
     rounds: int = 5
-    ttft_trials: int = 8
+    ttft_trials: int = 24
     seed: int = 0
 
     @property

@@ -40,10 +40,10 @@ def shm_root(node_root):
 BUILT: list = []
 
 
-def build(model_dir, root: str, **l2):
+def build(model_dir, root: str, max_num_seqs: int = 4, **l2):
     l2 = {"hicache_ratio": 2, **l2} if "hicache_size" not in l2 else l2
     BUILT.append(make_harness(
-        model_dir, num_blocks=32, max_num_seqs=4, **l2,
+        model_dir, num_blocks=32, max_num_seqs=max_num_seqs, **l2,
         hicache_mem_layout="page_first_direct", node_tier_bytes=16 << 20,
         node_tier_name="direct", node_tier_root=root,
         hicache_storage_prefetch_policy="best_effort",
@@ -72,16 +72,16 @@ def watch_loads(b):
     queue = b.worker.worker._node_loads
     assert queue is not None and queue.loader is not None
     loader, seen = queue.loader, []
-    inner = loader.load
+    inner = loader.finish
 
-    def load(hashes, block_ids):
-        n = inner(hashes, block_ids)
+    def finish(op, defer=None):  # every load ends here, in step or async
+        n = inner(op, defer)
         req = b.hashes_of["b"]
-        ok = [b.check_block(block, req, i) for i, block in enumerate(block_ids[:n])]
-        seen.append((len(hashes), n, ok))
+        ok = [b.check_block(block, req, i) for i, block in enumerate(op.block_ids[:n])]
+        seen.append((op.asked, n, ok))
         return n
 
-    loader.load = load
+    loader.finish = finish
     return seen
 
 
@@ -128,6 +128,30 @@ def test_another_instance_loads_the_prefix_from_the_node_tier_directly(tiny_mode
     assert half.tree.match(b.hashes_of["b"].block_hashes).host_run(0) == []
     # Through the load gate, under the node tier's own name.
     assert half.load_gate.decisions == {("node", "loaded"): PROMPT_BLOCKS * BLOCK}
+    # Its arrival's probe of the node tier stood in for an L3 lookup.
+    assert half.l3.lookups_started == 0
+
+
+def test_a_request_the_node_tier_no_longer_serves_when_scheduled_is_looked_up(
+        tiny_model_dir, shm_root):
+    """The probe at arrival found the prompt in the node tier, so no L3
+    lookup started; by the time vLLM has room for the request the tier
+    dropped it: the request is looked up then, and computed."""
+    _, tier, _ = publish(tiny_model_dir, shm_root)
+    b = build(tiny_model_dir, shm_root, max_num_seqs=1)
+    seen = watch_loads(b)
+    b.add("x", list(range(3000, 3000 + BLOCK + 5)), max_tokens=4)
+    b.step()  # x runs; b, added now, waits for the only slot
+    started = b.sched_half.l3.lookups_started  # x's own
+    b.add("b", PROMPT, max_tokens=1)
+    state = b.sched_half._reqs["b"]
+    assert state.l3_lookup_deferred and state.node_probe.found == PROMPT_BLOCKS
+    assert b.sched_half.l3.lookups_started == started
+    assert tier.clear() > 0
+    b.run()
+    assert b.sched_half.l3.lookups_started == started + 1
+    assert b.first_computed["b"] == 0 and seen == []
+    assert b.sched_half.stats.load_error_blocks == 0
 
 
 def run_recording_recompute(b) -> tuple[int, list[int], set[int]]:
@@ -191,15 +215,15 @@ def test_a_page_evicted_between_lookup_and_load_is_recomputed(tiny_model_dir, sh
     a, tier, keys = publish(tiny_model_dir, shm_root)
     b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
     seen = watch_loads(b)
-    inner = b.worker.worker._node_loads.loader.load
+    inner = b.worker.worker._node_loads.loader.begin
 
-    def evict_then_load(hashes, block_ids):
+    def evict_then_begin(hashes, block_ids):
         # The scheduler found all five; the fourth leaves before the worker pins it.
         page = tier.pin_pages([keys[3]])
         tier.drop_page(page[0], "evicted by the test")
         return inner(hashes, block_ids)
 
-    b.worker.worker._node_loads.loader.load = evict_then_load
+    b.worker.worker._node_loads.loader.begin = evict_then_begin
     b.add("b", PROMPT, max_tokens=1)
     first, later, errors = run_recording_recompute(b)
     assert seen == [(PROMPT_BLOCKS, 3, [True] * 3)]

@@ -10,6 +10,7 @@ import torch
 
 from vllm_hicache.common.jobs import NodeLoadJob
 from vllm_hicache.l3.node_load_queue import NodeLoadQueue, node_load_queue
+from vllm_hicache.l3.node_loads import OpenLoad
 
 JOB = NodeLoadJob("r", (b"a" * 32, b"b" * 32, b"c" * 32), (4, 5, 6))
 
@@ -18,7 +19,7 @@ class FakeLoader:
     def __init__(self, loaded=None, error=None) -> None:
         self.loaded, self.error, self.closed = loaded, error, False
 
-    def load(self, hashes, block_ids):
+    def load(self, hashes, block_ids, defer=None):
         if self.error is not None:
             raise self.error
         return self.loaded
@@ -75,7 +76,7 @@ class CountingLoader(FakeLoader):
         super().__init__(loaded=loaded)
         self.counts = {"pages": 0}
 
-    def load(self, hashes, block_ids):
+    def load(self, hashes, block_ids, defer=None):
         self.counts["pages"] += self.loaded
         return self.loaded
 
@@ -111,4 +112,74 @@ def test_loaded_pages_are_counted_once_for_the_direct_load_counter():
     drain(queue)
     assert queue.take_counts() == {"node_tier_direct_loaded_pages": 6.0}
     assert queue.take_counts() == {}
+    queue.shutdown()
+
+
+# --- in step on CPU: each layer copied as the forward reaches it ------------
+
+class LayerLoader(FakeLoader):
+    """begin/copy/finish of NodeDirectLoader, recording the layer copies;
+    ``usable`` pages pass their checks, ``held`` of them keep their seals."""
+
+    def __init__(self, usable: int, held: int) -> None:
+        super().__init__()
+        self.usable, self.held, self.copies, self.finished = usable, held, [], []
+
+    def begin(self, hashes, block_ids):
+        return OpenLoad([], tuple(block_ids), len(hashes), self.usable)
+
+    def copy(self, op, layer=None):
+        self.copies.append((op.block_ids[:op.usable], layer))
+
+    def finish(self, op, defer=None):
+        self.finished.append(op.block_ids)
+        return 0 if op.failed else self.held
+
+
+def layered(loader, num_layers: int = 3) -> NodeLoadQueue:
+    return NodeLoadQueue(loader, torch.device("cpu"), num_layers)  # type: ignore[arg-type]
+
+
+def test_on_cpu_each_layer_is_copied_when_the_forward_reaches_it():
+    loader = LayerLoader(usable=2, held=2)
+    queue = layered(loader)
+    assert queue.start_in_step([STEP_JOB]) == {9}  # failed its checks: known before
+    assert loader.copies == []
+    for layer in range(3):
+        queue.load_layer(layer)
+        queue.load_layer(layer)  # a second call for a layer copies nothing more
+    assert loader.copies == [((7, 8), 0), ((7, 8), 1), ((7, 8), 2)]
+    assert queue.finish_in_step() == set()
+    assert loader.finished == [(7, 8, 9)]
+    assert queue.finish_in_step() == set()  # closed: the next step starts afresh
+    queue.shutdown()
+
+
+def test_a_seal_lost_during_the_forward_is_a_late_load_error():
+    loader = LayerLoader(usable=3, held=1)
+    queue = layered(loader)
+    assert queue.start_in_step([STEP_JOB]) == set()
+    for layer in range(3):
+        queue.load_layer(layer)
+    assert queue.finish_in_step() == {8, 9}
+    queue.shutdown()
+
+
+def test_a_forward_that_skipped_a_layer_fails_every_block_it_was_promised():
+    loader = LayerLoader(usable=3, held=3)
+    queue = layered(loader)
+    queue.start_in_step([STEP_JOB])
+    queue.load_layer(0)
+    queue.load_layer(2)
+    assert queue.finish_in_step() == {7, 8, 9}
+    queue.shutdown()
+
+
+def test_without_layer_copies_in_step_loads_copy_every_layer_up_front():
+    loader = CountingLoader(loaded=2)
+    queue = NodeLoadQueue(loader, torch.device("cpu"), 0)  # type: ignore[arg-type]
+    assert not queue._layerwise  # as on CUDA (a stream waits): whole loads
+    assert queue.start_in_step([STEP_JOB]) == {9}
+    assert loader.counts["pages"] == 2
+    assert queue.finish_in_step() == set()
     queue.shutdown()

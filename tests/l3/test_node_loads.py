@@ -121,6 +121,35 @@ def test_another_instance_loads_the_pages_into_l1_without_its_private_l2(pair):
     assert (me.hits, me.misses) == (len(HASHES), 0)
 
 
+def test_a_deferred_release_drops_the_pins_after_the_copy_and_marks_the_pages_used(pair):
+    """In a step the pins go on another thread (``defer``): the blocks are
+    loaded when ``load`` returns, the pins until the deferred call runs; the
+    pages read, and only those, become the most recently used."""
+    a, b, loader = pair
+    before = {row.slot: row.last_access_ns for row in slot_rows(b.tier)}
+    deferred = []
+    assert loader.load(HASHES[:3], DST_BLOCKS[:3], lambda fn, *args: deferred.append(
+        (fn, args))) == 3
+    assert_loaded(a, b, 3)
+    assert loader.counts["pages"] == 3  # counted at once
+    assert b.tier.stats().pinned_slots == 3 and len(deferred) == 1
+    fn, args = deferred[0]
+    fn(*args)
+    assert no_pins(b.tier)
+    after = {row.slot: row.last_access_ns for row in slot_rows(b.tier)}
+    read = {slot_of(b, i) for i in range(3)}
+    assert [s for s in after if after[s] != before[s]] == sorted(read)
+
+
+def slot_rows(tier: NodeTier):
+    """(slot, last_access_ns) of every sealed slot, from the index."""
+    from collections import namedtuple
+    Row = namedtuple("Row", "slot last_access_ns")
+    with tier._index.read() as db:
+        return [Row(*r) for r in db.execute(
+            "SELECT slot, last_access_ns FROM slots WHERE state = 2 ORDER BY slot")]
+
+
 def test_the_segment_pool_pages_are_the_slot_payloads(pair):
     a, b, loader = pair
     seg = loader.pool

@@ -13,9 +13,12 @@ attach/detach commands around it:
     handle_preemptions   -> before_forward(write-back copies)
     bind                 -> storage command, L3 prefetches, begin_step(loads and
                             the same-step loads read in time: l3/same_step.py)
-    start_load_kv        -> start_loads(async loads)
-    wait_for_layer_load  -> wait_layer(layer index)
-    wait_for_save        -> after_forward(stores), then L3 backups
+    start_load_kv        -> start_loads(async loads); node-tier loads start
+                            (l3/node_load_queue.py)
+    wait_for_layer_load  -> wait_layer(layer index), after that layer's
+                            node-tier copies
+    wait_for_save        -> node-tier loads finish, then after_forward(stores),
+                            then L3 backups
     clear                -> end_step()
 
 Before each report (``worker_meta``) it waits, bounded by the step's
@@ -276,19 +279,25 @@ class HiCacheWorker:
                 self._node_loads = NodeLoadQueue(None, self.transfer_tensors[0].device)
             # In-step ones before the forward reads their blocks (vLLM calls
             # this hook before it when a step has synchronous loads).
-            self._node_load_errors |= self._node_loads.load_in_step(
+            self._node_load_errors |= self._node_loads.start_in_step(
                 [job for job in meta.node_loads if job.in_step])
             self._node_loads.submit([job for job in meta.node_loads if not job.in_step])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
         if layer is not None:
+            if self._node_loads is not None:
+                self._node_loads.load_layer(layer)
             self._path().wait_layer(layer)
 
     def wait_for_save(self) -> None:
         meta = self._meta
         if meta is None:
             return
+        if self._node_loads is not None:  # loads that failed after the forward used them
+            late = self._node_loads.finish_in_step()
+            self._node_load_errors |= late
+            self._path().fail_blocks(sorted(late))
         self._path().after_forward(meta.stores)
         if meta.backups:
             ready = self._path().ready_event()

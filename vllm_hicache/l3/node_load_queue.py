@@ -11,11 +11,16 @@ after the loaded prefix of each job (vLLM recomputes them). A job that
 raises is all failed, and is still reported finished, or vLLM would wait
 for it forever.
 
-In step: ``load_in_step`` loads the jobs before it returns (on CUDA on the
-caller's stream, waited for) and returns the blocks that did not receive
-their page, which the worker reports as load errors of this step
-(``get_block_ids_with_load_errors``): vLLM cuts the request's computed
-tokens back to the first of them and recomputes from there.
+In step: ``start_in_step`` (before the forward) pins and checks the jobs'
+pages; on CPU ``load_layer`` copies each layer as the forward reaches it
+and ``finish_in_step`` (after the forward, before the step's stores)
+checks the seals again and releases the pins; on CUDA ``start_in_step``
+copies every layer at once (on the caller's stream, waited for). The
+blocks that did not receive their page, known before the forward or after
+it, are load errors of this step (``get_block_ids_with_load_errors``): vLLM
+cuts the request's computed tokens back to the first of them and
+recomputes from there; the worker drops the step's stores when a load
+failed after the forward had used its blocks.
 
 Without a loader (this rank cannot read the tier in place) every job fails
 at once, as a recompute. One loader serves both kinds, one job at a time.
@@ -38,7 +43,7 @@ from vllm_hicache import io_threads
 from vllm_hicache.common.jobs import NodeLoadJob
 from vllm_hicache.common.stats import Deltas, key
 from vllm_hicache.kernels import DeviceKVLayout
-from vllm_hicache.l3.node_loads import NodeDirectLoader, build_direct_loader
+from vllm_hicache.l3.node_loads import NodeDirectLoader, OpenLoad, build_direct_loader
 from vllm_hicache.storage.node_chain import NodeChainBackend
 from vllm_hicache.storage.pages import PageStore
 
@@ -46,8 +51,15 @@ logger = logging.getLogger(__name__)
 
 
 class NodeLoadQueue:
-    def __init__(self, loader: NodeDirectLoader | None, device: torch.device) -> None:
+    def __init__(self, loader: NodeDirectLoader | None, device: torch.device,
+                 num_layers: int = 0) -> None:
         self.loader = loader
+        # CPU: in-step loads copy each layer as the forward reaches it (below).
+        self._layerwise = device.type != "cuda" and num_layers > 0
+        self._num_layers = num_layers
+        # This step's in-step loads whose layers are still being copied.
+        self._open: list[tuple[NodeLoadJob, OpenLoad | None]] = []
+        self._layers_copied: set[int] = set()
         self._stream = (torch.cuda.Stream(device=device)
                         if loader is not None and device.type == "cuda" else None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-node-load",
@@ -70,20 +82,85 @@ class NodeLoadQueue:
         with torch.cuda.stream(self._stream):
             return self._load(job)
 
-    def _load(self, job: NodeLoadJob) -> int:
+    def _load(self, job: NodeLoadJob, in_step: bool = False) -> int:
+        assert self.loader is not None
+        # In step, the forward waits for the load: its pins are released on
+        # this queue's thread (the copy has ended; the transaction is only
+        # bookkeeping).
+        defer = self._executor.submit if in_step else None
+        with self._loader_lock:
+            return self.loader.load(job.hashes, job.block_ids, defer)
+
+    def start_in_step(self, jobs: Sequence[NodeLoadJob]) -> set[int]:
+        """This step's in-step loads, before its forward; the blocks that
+        will not receive their page. On CPU only the pins and checks run
+        here, and ``load_layer`` copies each layer just before the forward's
+        attention reads it (the copy is then still in the CPU's cache, as an
+        L2 hit's layerwise load is; copying every layer up front cost the
+        forward about 0.1 ms a layer on the demo model); ``finish_in_step``
+        closes them. On CUDA the copies run here, waited for."""
+        if not self._layerwise or self.loader is None:
+            return self.load_in_step(jobs)
+        failed: set[int] = set()
+        for job in jobs:
+            op = None
+            try:
+                with self._loader_lock:
+                    op = self.loader.begin(job.hashes, job.block_ids)
+            except Exception:  # never into the forward: the blocks are recomputed
+                logger.exception("HiCache: node-tier load of %s failed", job.req_id)
+            failed.update(job.block_ids[op.usable if op is not None else 0:])
+            self._open.append((job, op))
+        return failed
+
+    def load_layer(self, layer: int) -> None:
+        """Attention layer ``layer`` is about to run: copy its KV."""
+        if not self._open or layer in self._layers_copied:
+            return
+        self._layers_copied.add(layer)
         assert self.loader is not None
         with self._loader_lock:
-            return self.loader.load(job.hashes, job.block_ids)
+            for _, op in self._open:
+                if op is not None:
+                    self.loader.copy(op, layer)
+
+    def finish_in_step(self) -> set[int]:
+        """After the forward: the blocks of this step's in-step loads that
+        did not receive their page after all (a copy failed, a seal changed,
+        or the forward skipped a layer's hook, so it ran on KV not yet
+        there). The forward used them: the caller drops the step's stores."""
+        if not self._open:
+            return set()
+        complete = self._layers_copied >= set(range(self._num_layers))
+        if not complete:
+            logger.warning("HiCache: layers %s of a node-tier load were not copied in time",
+                           sorted(set(range(self._num_layers)) - self._layers_copied))
+        assert self.loader is not None
+        late: set[int] = set()
+        open_loads, self._open, self._layers_copied = self._open, [], set()
+        for job, op in open_loads:
+            if op is None:
+                continue
+            if not complete:
+                op.failed = True
+            loaded = 0
+            try:
+                with self._loader_lock:
+                    loaded = self.loader.finish(op, self._executor.submit)
+            except Exception:  # never into the forward: the blocks are recomputed
+                logger.exception("HiCache: node-tier load of %s failed", job.req_id)
+            late.update(job.block_ids[loaded:op.usable])
+        return late
 
     def load_in_step(self, jobs: Sequence[NodeLoadJob]) -> set[int]:
-        """Load ``jobs`` now (the forward reads their blocks next); the
-        blocks that did not receive their page."""
+        """Load ``jobs`` now, every layer (the forward reads their blocks
+        next); the blocks that did not receive their page."""
         failed: set[int] = set()
         for job in jobs:
             loaded = 0
             if self.loader is not None:
                 try:
-                    loaded = self._load(job)
+                    loaded = self._load(job, in_step=True)
                 except Exception:  # never into the forward: the blocks are recomputed
                     logger.exception("HiCache: node-tier load of %s failed", job.req_id)
             failed.update(job.block_ids[loaded:])
@@ -144,4 +221,4 @@ def node_load_queue(pages: object, kv_tensors: Sequence[torch.Tensor],
                                          io_backend)
         except ValueError as e:
             logger.info("HiCache node tier: %s; hits are staged through L2", e)
-    return NodeLoadQueue(loader, kv_tensors[0].device)
+    return NodeLoadQueue(loader, kv_tensors[0].device, len(kv_tensors))

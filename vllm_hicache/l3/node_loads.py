@@ -21,7 +21,13 @@ can and returns its length; vLLM recomputes the blocks after it. Per call:
    the seals are checked and the pins dropped only after the DMA ended).
 4. check every seal again: a slot whose seal changed during the copy (which
    the pin forbids) ends the prefix at it, so its block is recomputed.
-5. release the pins, counting hits and misses for this member.
+5. release the pins, counting hits and misses for this member and marking
+   the pages read as used (for the eviction order); a load in the step
+   releases them on the queue's thread, after the copy it waited for.
+
+Where the segment is not registered with CUDA (CPU engines), the loader
+maps it into this process on a background thread at start (map_warmer.py),
+so that a first read of a slot pays no page faults on the forward's thread.
 
 Invariant: a block counted as loaded received exactly its key's verified
 bytes, or the call says fewer blocks were loaded; any error (tier, copy)
@@ -31,7 +37,8 @@ is fewer blocks, never an exception into the forward.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,6 +46,7 @@ import torch
 from vllm_hicache.host.segment_pool import SegmentKVPool
 from vllm_hicache.kernels import DeviceKVLayout, make_transfer
 from vllm_hicache.kernels.io_backends import IOBackend
+from vllm_hicache.l3.map_warmer import MappingWarmer
 from vllm_hicache.node import Found, NodeTier, NodeTierError
 from vllm_hicache.storage.counters import Counters
 from vllm_hicache.storage.format import HEADER_BYTES
@@ -47,6 +55,20 @@ from vllm_hicache.storage.node_direct import ObjectCheck, direct_read_blocker, o
 from vllm_hicache.storage.pages import PageStore
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OpenLoad:
+    """A direct load between ``NodeDirectLoader.begin`` and ``finish``: its
+    pinned pages, the blocks they go to, how many were asked for, how many
+    leading pages passed their checks (what is copied), and whether a copy
+    of it failed."""
+
+    pages: list[Found]
+    block_ids: tuple[int, ...]
+    asked: int
+    usable: int
+    failed: bool = False
 
 
 class NodeDirectLoader:
@@ -60,7 +82,7 @@ class NodeDirectLoader:
     """
 
     def __init__(self, tier: NodeTier, transfer, object_keys, check: ObjectCheck,
-                 pool: SegmentKVPool | None = None) -> None:
+                 pool: SegmentKVPool | None = None, premap: bool = False) -> None:
         self.tier = tier
         self.transfer = transfer
         self.pool = pool
@@ -71,53 +93,106 @@ class NodeDirectLoader:
         self._data_offset_bytes = g.data_offset
         self._payload_bytes = g.page_bytes - HEADER_BYTES
         self._segment = np.frombuffer(tier.mapping(), np.uint8)
+        # Slots map into this process ahead of their first read (map_warmer.py).
+        self.premap = (MappingWarmer(self._segment.ctypes.data, self._segment.nbytes)
+                       if premap else None)
         # slot -> generation whose bytes this process verified.
         self._verified: dict[int, int] = {}
         self.counts = Counters("pages", "bytes", "misses", "refused", "copy_errors")
 
-    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int],
+             defer: Callable[..., object] | None = None) -> int:
         """Load the pages of ``hashes`` into ``block_ids`` (by position);
-        returns how many leading blocks now hold their page."""
+        returns how many leading blocks now hold their page. ``defer``
+        (e.g. an executor's ``submit``) runs the release of the pins, an
+        index transaction nobody waits for, off the caller's thread."""
+        op = self.begin(hashes, block_ids)
+        if op is None:
+            return 0
+        self.copy(op)
+        return self.finish(op, defer)
+
+    def begin(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> OpenLoad | None:
+        """Pin and check the pages of ``hashes`` (steps 1 and 2); None when
+        nothing was pinned. ``copy`` then ``finish`` it."""
         if len(hashes) != len(block_ids):
             raise ValueError(f"node load: {len(hashes)} hashes but {len(block_ids)} blocks")
         if not hashes:
-            return 0
+            return None
         keys = self._object_keys(hashes)
         try:
             pages = self.tier.pin_pages([node_key(k) for k in keys])
         except NodeTierError as e:
             logger.warning("HiCache node tier: pinning for a direct load failed (%s): a miss", e)
             self.counts.bump("misses", len(hashes))
-            return 0
+            return None
+        usable = 0
+        try:
+            for page, key in zip(pages, keys):
+                if not self._usable(page, key):
+                    break
+                usable += 1
+        except BaseException:
+            self._finish_counts(OpenLoad(pages, tuple(block_ids), len(hashes), 0), 0, None)
+            raise
+        return OpenLoad(pages, tuple(block_ids), len(hashes), usable)
+
+    def copy(self, op: OpenLoad, layer: int | None = None) -> None:
+        """Copy the checked prefix of ``op``: one layer of it, or every layer
+        (None). A copy that raises fails the whole load, never the caller."""
+        if op.failed or not op.usable:
+            return
+        block_ids = list(op.block_ids[:op.usable])
+        slots = [p.slot for p in op.pages[:op.usable]]
+        try:
+            if layer is None:
+                self.transfer.load(block_ids, slots)
+            else:
+                self.transfer.load_layer(layer, block_ids, slots)
+        except Exception:  # a failed copy is a recompute, never a crash
+            logger.exception("HiCache: direct load of %d node-tier pages failed", op.usable)
+            self._copy_failed(op)
+
+    def finish(self, op: OpenLoad, defer: Callable[..., object] | None = None) -> int:
+        """After every copy of ``op``: wait for them, check the seals again
+        and release the pins (steps 3 to 5); how many leading blocks hold
+        their page."""
         loaded = 0
         try:
-            loaded = self._load_pinned(pages, keys, block_ids)
+            if not op.failed and op.usable:
+                try:
+                    self.transfer.synchronize()
+                except Exception:  # a failed copy is a recompute, never a crash
+                    logger.exception("HiCache: direct load of %d node-tier pages failed",
+                                     op.usable)
+                    self._copy_failed(op)
+            if not op.failed:
+                loaded = self._seals_held(op)
         finally:
-            self._release(pages, loaded, len(hashes))
+            self._finish_counts(op, loaded, defer)
         return loaded
 
-    def _load_pinned(self, pages: list[Found], keys: list[str],
-                     block_ids: Sequence[int]) -> int:
-        good = 0
-        for page, key in zip(pages, keys):
-            if not self._usable(page, key):
-                break
-            good += 1
-        if not good:
-            return 0
-        try:
-            self.transfer.load(list(block_ids[:good]), [p.slot for p in pages[:good]])
-            self.transfer.synchronize()
-        except Exception:  # a failed copy is a recompute, never a crash
-            logger.exception("HiCache: direct load of %d node-tier pages failed", good)
-            self.counts.bump("copy_errors", good)
-            return 0
-        for i in range(good):
-            if not self.tier.seal_holds(pages[i]):
-                self.tier.drop_page(pages[i], "changed its seal while being copied")
+    def _copy_failed(self, op: OpenLoad) -> None:
+        self.counts.bump("copy_errors", op.usable)
+        op.failed = True
+
+    def _seals_held(self, op: OpenLoad) -> int:
+        """The leading copied pages whose seal did not change meanwhile (the
+        pin forbids it: a change drops the page and ends the prefix)."""
+        for i in range(op.usable):
+            if not self.tier.seal_holds(op.pages[i]):
+                self.tier.drop_page(op.pages[i], "changed its seal while being copied")
                 self.counts.bump("refused")
                 return i
-        return good
+        return op.usable
+
+    def _finish_counts(self, op: OpenLoad, loaded: int,
+                       defer: Callable[..., object] | None) -> None:
+        self._count(loaded, op.asked)
+        if defer is None:
+            self._release(op.pages, loaded, op.asked)
+        else:
+            defer(self._release, op.pages, loaded, op.asked)
 
     def _usable(self, page: Found, key: str) -> bool:
         """The seal names this page, and its object verifies (once per
@@ -140,10 +215,12 @@ class NodeDirectLoader:
         self._verified[page.slot] = page.gen
         return True
 
-    def _release(self, pages: list[Found], loaded: int, asked: int) -> None:
+    def _count(self, loaded: int, asked: int) -> None:
         self.counts.bump("pages", loaded)
         self.counts.bump("bytes", loaded * self._payload_bytes)
         self.counts.bump("misses", asked - loaded)
+
+    def _release(self, pages: list[Found], loaded: int, asked: int) -> None:
         try:
             self.tier.release_pages(pages, hits=loaded, misses=asked - loaded)
         except NodeTierError as e:
@@ -153,6 +230,8 @@ class NodeDirectLoader:
     def close(self) -> None:
         """Unregister the segment and drop the views of the mapping (before
         the tier leaves)."""
+        if self.premap is not None:
+            self.premap.stop()
         if self.pool is not None:
             self.pool.close()
         self._segment = np.empty(0, np.uint8)
@@ -177,4 +256,6 @@ def build_direct_loader(tier: NodeTier, store: PageStore, kv_tensors: Sequence[t
     if io_backend == IOBackend.KERNEL and not pool.is_pinned:
         io_backend = IOBackend.DIRECT
     transfer = make_transfer(io_backend, kv_tensors, layouts, pool)
-    return NodeDirectLoader(tier, transfer, store.keys, object_check(store), pool)
+    # A registered segment is mapped already; an unregistered one is premapped.
+    return NodeDirectLoader(tier, transfer, store.keys, object_check(store), pool,
+                            premap=not pool.is_pinned)

@@ -240,6 +240,8 @@ class L3Planner:
         self.prefetch_incomplete = 0
         self.prefetch_timed_out = 0
         self.lookup_errors = 0
+        # Lookups handed to the lookup thread.
+        self.lookups_started = 0
         # Hits prefetch_threshold=auto left to vLLM: the cost model expected
         # computing them to be faster.
         self.prefetch_not_worth = 0
@@ -349,6 +351,7 @@ class L3Planner:
         times = HitTimes(time.monotonic())
         node_found = [0]
         future = self._executor.submit(self._lookup, chain[start:], node_found)
+        self.lookups_started += 1
         lookup = _Lookup(chain, start, deadline, future, times, nowait=nowait,
                          node_found=node_found)
         self._lookups[req_id] = lookup

@@ -220,26 +220,33 @@ class Index:
                 found.append(hit)
         return found
 
-    def pin(self, member: str, keys: Sequence[bytes]) -> list[Found]:
+    def pin(self, member: str, keys: Sequence[bytes], mark_used: bool = True) -> list[Found]:
         """Pin the longest sealed prefix of ``keys`` for ``member`` (counted:
-        pinned twice, unpinned twice) and mark it used now."""
+        pinned twice, unpinned twice) and, with ``mark_used``, mark it used
+        now (else the unpin marks what was used)."""
         with self.write() as db:
             found = self.find(keys, db)
-            now = time.monotonic_ns()
             db.executemany(
                 "INSERT INTO pins VALUES (?, ?, 1) "
                 "ON CONFLICT(member, slot) DO UPDATE SET count = count + 1",
                 ((member, f.slot) for f in found))
-            db.executemany(
-                "UPDATE slots SET last_access_ns = ?, uses = uses + 1 WHERE slot = ?",
-                ((now, f.slot) for f in found))
+            if mark_used:
+                self._mark_used(db, [f.slot for f in found])
         return found
 
+    @staticmethod
+    def _mark_used(db: sqlite3.Connection, slots: Sequence[int]) -> None:
+        now = time.monotonic_ns()
+        db.executemany("UPDATE slots SET last_access_ns = ?, uses = uses + 1 WHERE slot = ?",
+                       ((now, slot) for slot in slots))
+
     def unpin(self, member: str, slots: Sequence[int],
-              hits: int = 0, misses: int = 0) -> None:
+              hits: int = 0, misses: int = 0, used: Sequence[int] = ()) -> None:
         """Drop one pin of ``member`` on each slot (a slot it does not pin is
-        ignored), counting ``hits``/``misses`` for it."""
+        ignored), counting ``hits``/``misses`` for it; mark the ``used``
+        slots used now."""
         with self.write() as db:
+            self._mark_used(db, used)
             db.executemany("UPDATE pins SET count = count - 1 WHERE member = ? AND slot = ?",
                            ((member, s) for s in slots))
             db.execute("DELETE FROM pins WHERE member = ? AND count <= 0", (member,))

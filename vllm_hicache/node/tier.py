@@ -414,10 +414,10 @@ class NodeTier:
     def pin_pages(self, keys: Sequence[bytes]) -> list[Found]:
         """Pin the longest sealed prefix of ``keys`` and say where each page
         is (slot, generation): no member evicts or refills these slots until
-        ``release_pages``. Check each with ``seal_holds`` before and after
-        reading it in place."""
+        ``release_pages``, which marks the ones read as used. Check each with
+        ``seal_holds`` before and after reading it in place."""
         self._live()
-        return self._index.pin(self.member_id, _check_keys(keys))
+        return self._index.pin(self.member_id, _check_keys(keys), mark_used=False)
 
     def seal_holds(self, page: Found) -> bool:
         """Whether the slot's seal still names ``page`` (its key at its
@@ -426,10 +426,11 @@ class NodeTier:
         return self._seal_matches(self._segment.read_seal(page.slot), page)
 
     def release_pages(self, pages: Sequence[Found], hits: int, misses: int) -> None:
-        """Undo ``pin_pages``, counting ``hits`` pages used and ``misses``
-        not for this member."""
+        """Undo ``pin_pages``, counting the first ``hits`` pages used (marked
+        used now, for the eviction order) and ``misses`` not for this member."""
         self._live()
-        self._index.unpin(self.member_id, [p.slot for p in pages], hits=hits, misses=misses)
+        self._index.unpin(self.member_id, [p.slot for p in pages], hits=hits, misses=misses,
+                          used=[p.slot for p in pages[:hits]])
 
     def drop_page(self, page: Found, why: str) -> None:
         """Free a pinned slot whose bytes did not verify (``why``): the next

@@ -8,10 +8,16 @@ L3 lookup is). That prefix goes through the load gate (load_gate.py, tier
 ``node``) and is admitted as a load with no L2 page (``NodeLoadJob``):
 loaded within the step, before the forward, when the connector loads
 synchronously (``hicache_load_mode=layerwise``, as an L2 hit is), else as
-an async load; and the request's L3 lookup is dropped, so the pages are
-not also staged into L2. A hit the gate declines is recomputed, all of it
-(not staged either). A request with an L2 hit keeps the L2 path (and the
-L3 path after it) unchanged.
+an async load; the pages are not also staged into L2 by an L3 prefetch.
+A hit the gate declines is recomputed, all of it (not staged either). A
+request with an L2 hit keeps the L2 path (and the L3 path after it)
+unchanged.
+
+When: the scheduler half probes the node tier as a request arrives, and a
+request the tier holds starts no L3 lookup (the scheduler's
+``_node_tier_serves``; the probe's answer serves the schedule pass right
+after the arrival, a later pass asks again, and a request the tier no
+longer serves then is looked up in L3 there).
 
 Only where every rank can read the slots in place (storage/node_direct.py's
 ``config_blocker``: no head slices, no state pages, no encryption, a

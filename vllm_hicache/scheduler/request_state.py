@@ -27,6 +27,15 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+class NodeProbe(NamedTuple):
+    """The node tier held ``found`` blocks of a request from block
+    ``start`` on, when it arrived before scheduler step ``step``."""
+
+    step: int
+    start: int
+    found: int
+
+
 class Lookup(NamedTuple):
     """A request's last lookup: vLLM's own hit, and the L2 pages after it
     (and the pages an L3 read fills this step after those), or (no L2 page)
@@ -63,6 +72,12 @@ class ReqState:
     # L2 (or node-tier) hit blocks the load gate declined at the last lookup
     # (vLLM recomputes them), counted when the request is admitted.
     declined_blocks: int = 0
+    # What the node tier held when the request arrived (node_hits.py), for
+    # its first schedule pass; set only when that probe stood in for its L3
+    # lookup (``l3_lookup_deferred``: started if the node tier does not
+    # serve it after all).
+    node_probe: NodeProbe | None = None
+    l3_lookup_deferred: bool = False
     # (L2, L3) tokens of the hit just admitted, until vLLM asks for them
     # (get_external_cache_hit_sources); None when not loaded or asked already.
     hit_tokens_by_tier: tuple[int, int] | None = None

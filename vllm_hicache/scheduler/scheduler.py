@@ -76,7 +76,7 @@ from vllm_hicache.scheduler.request_params import (
     RequestControls,
     parse_request_params,
 )
-from vllm_hicache.scheduler.request_state import Lookup, ReqState, track_scheduled
+from vllm_hicache.scheduler.request_state import Lookup, NodeProbe, ReqState, track_scheduled
 from vllm_hicache.scheduler.store_planner import L2StorePlanner
 from vllm_hicache.scheduler.write_back import WriteBackCopy, WriteBackWatcher
 
@@ -296,6 +296,7 @@ class HiCacheScheduler:
         node = self._node_hit(request, num_computed_tokens)
         if node is not None:  # loaded as an L2 hit is: in the step unless async
             return node, self.load_async and node > 0
+        self._start_deferred_lookup(request)
         if self.l3 is not None and self.l3.must_wait(request.request_id,
                                                      num_computed_tokens // self.block_size):
             return None, False  # per the prefetch policy: ask again later
@@ -353,7 +354,7 @@ class HiCacheScheduler:
         cap = state.controls.load_block_cap(self.block_size)
         if cap is not None:
             end = min(end, start + cap)
-        found = hits.prefix(request.block_hashes[start:end]) if end > start else 0
+        found = self._node_prefix(hits, state, start, end)
         if not found:
             return None
         state.lookup, state.declined_blocks = gated_lookup(
@@ -361,6 +362,16 @@ class HiCacheScheduler:
         assert self.l3 is not None
         self.l3.forget(request.request_id)  # not staged through L2 as well
         return state.lookup.node_blocks * self.block_size
+
+    def _node_prefix(self, hits: NodeHits, state: ReqState, start: int, end: int) -> int:
+        """Blocks [start, ...) the node tier holds, at most ``end - start``:
+        the arrival's probe when this is the pass right after it (the tier
+        may have changed since: a page gone by the load is a load error,
+        recomputed), else a fresh lookup."""
+        probe, state.node_probe = state.node_probe, None
+        if probe is not None and probe.step == self._step and probe.start == start:
+            return min(probe.found, end - start)
+        return hits.prefix(state.request.block_hashes[start:end]) if end > start else 0
 
     def _node_hits_now(self) -> NodeHits | None:
         planner = self.l3
@@ -620,11 +631,46 @@ class HiCacheScheduler:
         if self.l3 is not None and controls.looks_up_l3 and self.serves_hits:
             limit = loadable_block_limit(request.num_tokens, self.block_size)
             chain = tuple(request.block_hashes[:limit])
-            resident = self._resident_blocks(chain)
-            cap = controls.load_block_cap(self.block_size)
-            if cap is not None:
-                chain = chain[: resident + cap]
-            self.l3.start_lookup(request.request_id, chain, resident)
+            resident, in_l2 = self._resident_blocks(chain)
+            if not in_l2 and self._node_tier_serves(state, chain, resident):
+                state.l3_lookup_deferred = True
+                return
+            self._start_lookup(state, chain, resident)
+
+    def _start_lookup(self, state: ReqState, chain: tuple[bytes, ...], resident: int) -> None:
+        """The L3 lookup of the request's ``chain`` past its ``resident`` blocks."""
+        assert self.l3 is not None
+        cap = state.controls.load_block_cap(self.block_size)
+        if cap is not None:
+            chain = chain[: resident + cap]
+        self.l3.start_lookup(state.request.request_id, chain, resident)
+
+    def _node_tier_serves(self, state: ReqState, chain: tuple[bytes, ...],
+                          resident: int) -> bool:
+        """Will the node tier's direct path (``_node_hit``) serve this new
+        request? Then its L3 lookup would only probe the same index again, on
+        the lookup thread beside the step that loads the hit (measured: the
+        hand-off and that thread's share of the GIL cost a cross-instance hit
+        more than the probe), so the probe made here stands in for it."""
+        hits = self._node_hits_now()
+        if hits is None or not state.controls.loads_l2 or resident >= len(chain):
+            return False
+        found = hits.prefix(chain[resident:])
+        if found:
+            state.node_probe = NodeProbe(self._step, resident, found)
+        return found > 0
+
+    def _start_deferred_lookup(self, request: Request) -> None:
+        """A request whose arrival probe stood in for its L3 lookup, and that
+        the node tier does not serve after all: look it up now."""
+        state = self._reqs.get(request.request_id)
+        if state is None or not state.l3_lookup_deferred:
+            return
+        state.l3_lookup_deferred = False
+        state.node_probe = None
+        limit = loadable_block_limit(request.num_tokens, self.block_size)
+        chain = tuple(request.block_hashes[:limit])
+        self._start_lookup(state, chain, self._resident_blocks(chain)[0])
 
     def _read_controls(self, request: Request, state: ReqState) -> RequestControls:
         """The request's kv_transfer_params controls. Bad ones never fail
@@ -646,17 +692,22 @@ class HiCacheScheduler:
                                request.request_id, exc, self.stats.request_param_errors)
             return NO_HICACHE
 
-    def _resident_blocks(self, chain: tuple[bytes, ...]) -> int:
-        """Leading blocks already in L2 or in vLLM's own cache (L1)."""
+    def _resident_blocks(self, chain: tuple[bytes, ...]) -> tuple[int, bool]:
+        """Leading blocks already in vLLM's own cache (L1) or in L2, and
+        whether L2 holds the block after L1's leading run (an L2 hit)."""
         pages = self.tree.match(chain).pages
         pool = self._block_pool
+
+        def in_l1(i: int) -> bool:
+            return pool is not None and l1_has_block(pool, chain[i])
+
         i = 0
-        while i < len(chain) and (
-            (i < len(pages) and pages[i] is not None)
-            or (pool is not None and l1_has_block(pool, chain[i]))
-        ):
+        while i < len(chain) and in_l1(i):
             i += 1
-        return i
+        l1_run = i
+        while i < len(chain) and ((i < len(pages) and pages[i] is not None) or in_l1(i)):
+            i += 1
+        return i, i > l1_run
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, str] | None]:

@@ -28,6 +28,7 @@ Pure module: no torch, no vllm.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable
 
@@ -42,6 +43,7 @@ SEALED, PROMOTED, EVICTED = "node+", "node^", "node-"
 CHANGES = (SEALED, PROMOTED, EVICTED)
 
 
+@functools.lru_cache(maxsize=256)  # a process's handful of tags, on every key
 def tag_digest(tag: str) -> bytes:
     return hashlib.blake2b(tag.encode(), digest_size=_TAG_DIGEST_BYTES).digest()
 
