@@ -10,7 +10,10 @@ segment (pin, seal checks, the copy, seal checks, unpin), in batches of
 engine over the segment without the index (the pins) or the checks; it
 separates the copy from the tier's per-load costs. "direct, first load" includes the
 object check (xxh3 over each page, once per slot generation); "direct"
-is a later load of the same pages, as every further instance's hit is.
+is a later load of the same pages, as every further instance's hit is;
+"direct, in a step" the same with the pins released on another thread, as
+a load in the step that admits its request does (what the forward waits
+for).
 
 Memory (three child processes): each joins the tier of ``--tier-mib``,
 loads every page into its own L1 through the segment, and allocates a
@@ -40,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -145,16 +149,25 @@ def bandwidth(args: argparse.Namespace, root: str, device: str) -> None:
         rig.loader._verified.clear()  # as a process that has not checked them yet
         direct()
 
+    releases = ThreadPoolExecutor(1)
+
+    def in_step() -> None:  # as NodeLoadQueue in a step: the pins released on its thread
+        for hs, ids in batches:
+            assert rig.loader.load(hs, ids, releases.submit) == len(ids)
+
     rows = []
     for name, fn in (("private L2 -> L1", private), ("segment copy only", segment_copy),
-                     ("direct, first load", first_direct), ("direct", direct)):
+                     ("direct, first load", first_direct), ("direct", direct),
+                     ("direct, in a step", in_step)):
         fn()  # warm-up: first touches, plan caches
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+            releases.submit(lambda: None).result()  # the releases, outside the timing
         rows.append((name, total / statistics.median(times) / 1e9))
+    releases.shutdown()
     base = rows[0][1]
     print(f"\nbandwidth: {n} pages of {pool.bytes_per_page / 2**20:.2f} MiB, batches of "
           f"{args.batch}, L1 on {device}, torch threads {torch.get_num_threads()}, "

@@ -150,6 +150,25 @@ def test_a_foreign_seal_is_a_miss_never_wrong_bytes(node_root):
         assert tier.check_integrity() == []
 
 
+@pytest.mark.parametrize("break_seal", [
+    lambda hit: SlotSeal(hit.gen + 1, PAGE_BYTES, 0, hit.key),       # refilled since
+    lambda hit: SlotSeal(hit.gen, PAGE_BYTES, 0, b"x"),              # another key
+    lambda hit: SlotSeal(hit.gen, PAGE_BYTES, 0, hit.key + b"\0"),   # a longer key
+    lambda hit: SlotSeal(hit.gen, PAGE_BYTES + 1, 0, hit.key),       # past the page
+])
+def test_seals_checked_at_once_agree_with_one_by_one(node_root, break_seal):
+    with make(node_root) as tier:
+        keys = [b"a", b"bb", b"c" * 48, b"d"]
+        insert(tier, keys)
+        pages = tier._index.find(keys)
+        assert tier.seals_held(pages) == 4 and all(map(tier.seal_holds, pages))
+        assert tier.seals_held([]) == 0
+        tier._segment.write_seal(pages[2].slot, break_seal(pages[2]))
+        assert [tier.seal_holds(p) for p in pages] == [True, True, False, True]
+        assert tier.seals_held(pages) == 2
+        assert tier.seals_held(pages[3:]) == 1
+
+
 def test_a_page_survives_leaving_and_is_found_on_rejoin(node_root):
     with make(node_root) as tier:
         insert(tier, [b"a"])

@@ -128,10 +128,13 @@ class NodeDirectLoader:
             return None
         usable = 0
         try:
-            for page, key in zip(pages, keys):
-                if not self._usable(page, key):
+            sealed = self.tier.seals_held(pages)
+            for page, key in zip(pages[:sealed], keys):
+                if not self._verifies(page, key):
                     break
                 usable += 1
+            if usable == sealed < len(pages):
+                self._refuse(pages[sealed], "failed its seal")
         except BaseException:
             self._finish_counts(OpenLoad(pages, tuple(block_ids), len(hashes), 0), 0, None)
             raise
@@ -179,12 +182,15 @@ class NodeDirectLoader:
     def _seals_held(self, op: OpenLoad) -> int:
         """The leading copied pages whose seal did not change meanwhile (the
         pin forbids it: a change drops the page and ends the prefix)."""
-        for i in range(op.usable):
-            if not self.tier.seal_holds(op.pages[i]):
-                self.tier.drop_page(op.pages[i], "changed its seal while being copied")
-                self.counts.bump("refused")
-                return i
-        return op.usable
+        held = self.tier.seals_held(op.pages[:op.usable])
+        if held < op.usable:
+            self._refuse(op.pages[held], "changed its seal while being copied")
+        return held
+
+    def _refuse(self, page: Found, why: str) -> None:
+        self._verified.pop(page.slot, None)
+        self.tier.drop_page(page, why)
+        self.counts.bump("refused")
 
     def _finish_counts(self, op: OpenLoad, loaded: int,
                        defer: Callable[..., object] | None) -> None:
@@ -194,23 +200,16 @@ class NodeDirectLoader:
         else:
             defer(self._release, op.pages, loaded, op.asked)
 
-    def _usable(self, page: Found, key: str) -> bool:
-        """The seal names this page, and its object verifies (once per
-        generation of the slot)."""
-        if not self.tier.seal_holds(page):
-            self._verified.pop(page.slot, None)
-            self.tier.drop_page(page, "failed its seal")
-            self.counts.bump("refused")
-            return False
+    def _verifies(self, page: Found, key: str) -> bool:
+        """The object in a slot whose seal names this page opens (checked
+        once per generation of the slot)."""
         if self._verified.get(page.slot) == page.gen:
             return True
         start = self._data_offset_bytes + page.slot * self._slot_stride_bytes
         header = self._segment[start:start + HEADER_BYTES]
         payload = self._segment[start + HEADER_BYTES:start + HEADER_BYTES + self._payload_bytes]
         if not self._check(key, header, payload):
-            self._verified.pop(page.slot, None)
-            self.tier.drop_page(page, "did not verify (corrupt or foreign object)")
-            self.counts.bump("refused")
+            self._refuse(page, "did not verify (corrupt or foreign object)")
             return False
         self._verified[page.slot] = page.gen
         return True

@@ -425,6 +425,12 @@ class NodeTier:
         self._live()
         return self._seal_matches(self._segment.read_seal(page.slot), page)
 
+    def seals_held(self, pages: Sequence[Found]) -> int:
+        """How many leading ``pages`` pass ``seal_holds``, checked at once."""
+        self._live()
+        return self._segment.seals_match([p.slot for p in pages], [p.gen for p in pages],
+                                         [p.key for p in pages])
+
     def release_pages(self, pages: Sequence[Found], hits: int, misses: int) -> None:
         """Undo ``pin_pages``, counting the first ``hits`` pages used (marked
         used now, for the eviction order) and ``misses`` not for this member."""
