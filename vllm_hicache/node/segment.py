@@ -40,8 +40,6 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from vllm_hicache.node.errors import NodeTierError
 
 MAGIC = b"HICNODE1"
@@ -57,10 +55,6 @@ _DATA_ALIGN_BYTES = 4096
 _HEADER = struct.Struct("<8sIIQQQQQ32s16s")
 _SLOT = struct.Struct(f"<QQQB7x{KEY_MAX_BYTES}s")
 assert _SLOT.size == SLOT_HEADER_BYTES
-# The same slot header as a numpy record, to check many seals at once.
-_SLOT_RECORD = np.dtype([("generation", "<u8"), ("length", "<u8"), ("checksum", "<u8"),
-                         ("key_len", "u1"), ("pad", "V7"), ("key", f"V{KEY_MAX_BYTES}")])
-assert _SLOT_RECORD.itemsize == SLOT_HEADER_BYTES
 
 
 def _align(value: int, to: int) -> int:
@@ -210,21 +204,14 @@ class Segment:
     def seals_match(self, slots: Sequence[int], generations: Sequence[int],
                     keys: Sequence[bytes]) -> int:
         """How many leading slots carry a seal of their generation and key
-        (and a length within a page): ``read_seal`` for many slots at once."""
-        if not slots:
-            return 0
-        g = self.geometry
-        table = np.frombuffer(self._buffer(), _SLOT_RECORD, count=g.num_slots,
-                              offset=HEADER_BYTES)
-        seals = table[np.asarray(slots, dtype=np.int64)]
-        del table  # no view of the mapping outlives the call (close)
-        wanted = np.frombuffer(b"".join(k.ljust(KEY_MAX_BYTES, b"\0") for k in keys),
-                               f"V{KEY_MAX_BYTES}")
-        ok = ((seals["generation"] == np.asarray(generations, dtype=np.uint64))
-              & (seals["key_len"] == np.fromiter(map(len, keys), np.uint8, len(keys)))
-              & (seals["key"] == wanted) & (seals["length"] <= g.page_bytes))
-        bad = np.flatnonzero(~ok)
-        return int(bad[0]) if bad.size else len(slots)
+        (and a length within a page): ``read_seal`` for many slots, without
+        a SlotSeal per slot (a load checks every page twice)."""
+        buf, limit, unpack = self._buffer(), self.geometry.page_bytes, _SLOT.unpack_from
+        for i, (slot, generation, key) in enumerate(zip(slots, generations, keys)):
+            gen, length, _, key_len, stored = unpack(buf, HEADER_BYTES + slot * SLOT_HEADER_BYTES)
+            if gen != generation or length > limit or stored[:min(key_len, KEY_MAX_BYTES)] != key:
+                return i
+        return len(slots)
 
     def read_seal(self, slot: int) -> SlotSeal:
         generation, length, checksum, key_len, key = _SLOT.unpack_from(
