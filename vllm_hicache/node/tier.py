@@ -422,8 +422,7 @@ class NodeTier:
     def seal_holds(self, page: Found) -> bool:
         """Whether the slot's seal still names ``page`` (its key at its
         generation): False for a torn, foreign or refilled slot."""
-        self._live()
-        return self._seal_matches(self._segment.read_seal(page.slot), page)
+        return self.seals_held([page]) == 1
 
     def seals_held(self, pages: Sequence[Found]) -> int:
         """How many leading ``pages`` pass ``seal_holds``, checked at once."""
