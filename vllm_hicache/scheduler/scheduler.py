@@ -68,7 +68,7 @@ from vllm_hicache.scheduler.group_blocks import GroupBlocks
 from vllm_hicache.scheduler.hit_timer import HitStageTimer
 from vllm_hicache.scheduler.inflight import InflightLoads
 from vllm_hicache.scheduler.load_gate import LoadGate
-from vllm_hicache.scheduler.node_hits import NodeHits, gated_lookup, node_hits_for
+from vllm_hicache.scheduler.node_hits import NodeAdmission
 from vllm_hicache.scheduler.pd import loads_hits
 from vllm_hicache.scheduler.request_params import (
     DEFAULT_CONTROLS,
@@ -76,7 +76,7 @@ from vllm_hicache.scheduler.request_params import (
     RequestControls,
     parse_request_params,
 )
-from vllm_hicache.scheduler.request_state import Lookup, NodeProbe, ReqState, track_scheduled
+from vllm_hicache.scheduler.request_state import Lookup, ReqState, track_scheduled
 from vllm_hicache.scheduler.store_planner import L2StorePlanner
 from vllm_hicache.scheduler.write_back import WriteBackCopy, WriteBackWatcher
 
@@ -167,8 +167,6 @@ class HiCacheScheduler:
         self._step_async_loads: list[LoadJob] = []
         self._step_node_loads: list[NodeLoadJob] = []
         self._step_same_step: list[SameStepLoad] = []
-        # Node-tier hits loaded into L1 directly (node_hits.py), per planner.
-        self._node_hits: tuple[object, NodeHits | None] = (None, None)
         self._inflight = InflightLoads()
         self._evict_copies: list[WriteBackCopy] = []
         # STORE ops of the write-backs in _evict_copies, not yet emitted.
@@ -184,6 +182,9 @@ class HiCacheScheduler:
             self.page_states, self.block_size, EventLog(False, self.block_size))
         # hicache_load_decision (load_gate.py): its estimators.
         self.load_gate = LoadGate(cfg.hicache_load_decision, geom.bytes_per_block)
+        # Node-tier hits loaded into L1 directly (node_hits.py).
+        self.node_hits = NodeAdmission(self.block_size, self.load_gate, cfg.hicache_mem_layout,
+                                       self.page_states is not None, self._groups.hybrid)
         # What the L3 planner acts on (its own and a runtime attach's).
         self._l3_ctx = PlannerContext(self.tree, self.ops, self.stores.alloc_protecting,
                                       self.load_gate, self.stores.events,
@@ -340,48 +341,12 @@ class HiCacheScheduler:
         return tuple(pages[: max(0, limit)])
 
     def _node_hit(self, request: Request, num_computed_tokens: int) -> int | None:
-        """Tokens of a node-tier hit to load into L1 directly (node_hits.py),
-        0 when the load gate declined it; None when the request has an L2
-        hit or the tier has none."""
-        hits = self._node_hits_now()
-        if hits is None or self._hit_pages(request, num_computed_tokens):
+        """A node-tier hit to load into L1 directly (NodeAdmission.hit); None
+        when the request has an L2 hit, which keeps the L2 path."""
+        if self.node_hits.hits(self.l3) is None or self._hit_pages(request, num_computed_tokens):
             return None
-        state = self._record(request)
-        if not state.controls.loads_l2:
-            return None
-        start = num_computed_tokens // self.block_size
-        end = loadable_block_limit(request.num_tokens, self.block_size)
-        cap = state.controls.load_block_cap(self.block_size)
-        if cap is not None:
-            end = min(end, start + cap)
-        found = self._node_prefix(hits, state, start, end)
-        if not found:
-            return None
-        state.lookup, state.declined_blocks = gated_lookup(
-            self.load_gate, num_computed_tokens, found, self.block_size)
-        assert self.l3 is not None
-        self.l3.forget(request.request_id)  # not staged through L2 as well
-        return state.lookup.node_blocks * self.block_size
-
-    def _node_prefix(self, hits: NodeHits, state: ReqState, start: int, end: int) -> int:
-        """Blocks [start, ...) the node tier holds, at most ``end - start``:
-        the arrival's probe when this is the pass right after it (the tier
-        may have changed since: a page gone by the load is a load error,
-        recomputed), else a fresh lookup."""
-        probe, state.node_probe = state.node_probe, None
-        if probe is not None and probe.step == self._step and probe.start == start:
-            return min(probe.found, end - start)
-        return hits.prefix(state.request.block_hashes[start:end]) if end > start else 0
-
-    def _node_hits_now(self) -> NodeHits | None:
-        planner = self.l3
-        if planner is None:
-            return None
-        if self._node_hits[0] is not planner:  # attached, replaced or detached since
-            self._node_hits = (planner, node_hits_for(
-                planner.backend, planner.namespaces, self.cfg.hicache_mem_layout,
-                planner.cfg.encrypt, self.page_states is not None, self._groups.hybrid))
-        return self._node_hits[1]
+        return self.node_hits.hit(self.l3, self._record(request), num_computed_tokens,
+                                  self._step)
 
     def _hit_pages(self, request: Request, num_computed_tokens: int) -> list[int]:
         start = num_computed_tokens // self.block_size
@@ -429,7 +394,9 @@ class HiCacheScheduler:
         if num_blocks == 0:
             return
         if looked_up.node_blocks:
-            self._admit_node_load(state, blocks, start, end)
+            self._step_node_loads.append(self.node_hits.admit(
+                state, blocks.get_block_ids()[0][start:end], start, end,
+                not self.load_async, self.stats))
             return
         if stages is not None:
             self.hit_timer.admitted(req_id, stages, self._step, self.load_async)
@@ -457,24 +424,6 @@ class HiCacheScheduler:
             self._inflight.start(req_id, op, hashes[start:])
         else:
             self._step_loads.append(job)
-
-    def _admit_node_load(self, state: ReqState, blocks: KVCacheBlocks, start: int,
-                         end: int) -> None:
-        """Blocks [start, end) come from the node tier straight into L1:
-        counted as L3 hits, no L2 page or op (a failure is a load error)."""
-        request = state.request
-        block_ids = blocks.get_block_ids()[0][start:end]
-        self._step_node_loads.append(NodeLoadJob(
-            request.request_id, tuple(request.block_hashes[start:end]), tuple(block_ids),
-            in_step=not self.load_async))
-        self.stats.record_load(end - start)
-        tiers = (0, (end - start) * self.block_size)
-        self.stats.record_hit_tokens(*tiers)
-        self.stats.hit_tokens_node += tiers[1]
-        state.hit_tokens_by_tier = tiers
-        # The machine holds them once, in the tier: not stored to L2 again
-        # (a failed load lowers num_computed_tokens, and they are reconsidered).
-        state.num_planned = max(state.num_planned, end)
 
     def _l3_hit_stages(self, req_id: str, start: int, end: int) -> dict[str, float] | None:
         """The wait of a request admitted now with blocks [start, end) of which
@@ -632,7 +581,8 @@ class HiCacheScheduler:
             limit = loadable_block_limit(request.num_tokens, self.block_size)
             chain = tuple(request.block_hashes[:limit])
             resident, in_l2 = self._resident_blocks(chain)
-            if not in_l2 and self._node_tier_serves(state, chain, resident):
+            if not in_l2 and self.node_hits.serves_arrival(self.l3, state, chain, resident,
+                                                            self._step):
                 state.l3_lookup_deferred = True
                 return
             self._start_lookup(state, chain, resident)
@@ -644,21 +594,6 @@ class HiCacheScheduler:
         if cap is not None:
             chain = chain[: resident + cap]
         self.l3.start_lookup(state.request.request_id, chain, resident)
-
-    def _node_tier_serves(self, state: ReqState, chain: tuple[bytes, ...],
-                          resident: int) -> bool:
-        """Will the node tier's direct path (``_node_hit``) serve this new
-        request? Then its L3 lookup would only probe the same index again, on
-        the lookup thread beside the step that loads the hit (measured: the
-        hand-off and that thread's share of the GIL cost a cross-instance hit
-        more than the probe), so the probe made here stands in for it."""
-        hits = self._node_hits_now()
-        if hits is None or not state.controls.loads_l2 or resident >= len(chain):
-            return False
-        found = hits.prefix(chain[resident:])
-        if found:
-            state.node_probe = NodeProbe(self._step, resident, found)
-        return found > 0
 
     def _start_deferred_lookup(self, request: Request) -> None:
         """A request whose arrival probe stood in for its L3 lookup, and that
