@@ -85,7 +85,7 @@ def main() -> int:
     out = args.out or REPO / ".cache" / ("bench-serve-quick" if args.quick else "bench-serve")
     out.mkdir(parents=True, exist_ok=True)
     ensure_model(args.model)
-    core = args.core if args.core >= 0 else sorted(os.sched_getaffinity(0))[-1]
+    core = compute_core(args.core)
     machine = machine_info(core)  # before the affinity below hides the compute core
     # The clients, API servers and engine cores stay off the compute core.
     os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - {core} or {core})
@@ -271,6 +271,11 @@ def code_state() -> str:
     newest = max((p.stat().st_mtime, p) for p in (REPO / "vllm_hicache").rglob("*.py"))
     stamp = datetime.datetime.fromtimestamp(newest[0]).isoformat(timespec="seconds")
     return f"{stamp} ({newest[1].relative_to(REPO)})"
+
+
+def compute_core(requested: int) -> int:
+    """The core every server computes on: ``requested``, or the last allowed."""
+    return requested if requested >= 0 else sorted(os.sched_getaffinity(0))[-1]
 
 
 def machine_info(core: int) -> dict:

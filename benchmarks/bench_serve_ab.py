@@ -47,6 +47,11 @@ def parse_args() -> argparse.Namespace:
                         "(servers are then named TREE:SYSTEM)")
     p.add_argument("--out", type=Path, default=REPO / ".cache" / "bench-serve-ab")
     p.add_argument("--model", type=Path, default=REPO / ".cache" / "demo-llama")
+    p.add_argument("--l3-root", action="append", default=[], metavar="TREE=DIR",
+                   help="put TREE's file L3 under DIR (e.g. a tmpfs, to tell the store's "
+                        "medium from the code); repeatable")
+    p.add_argument("--core", type=int, default=-1,
+                   help="the servers' compute core (default: as bench_serve.py chooses)")
     return p.parse_args()
 
 
@@ -63,6 +68,17 @@ def source_tree(name: str, where: str, out: Path) -> Path:
     return tree
 
 
+def l3_root_of(pairs: list[str], trees: dict[str, Path]) -> dict[str, Path]:
+    """``--l3-root TREE=DIR`` arguments as a map, each TREE one of ``trees``."""
+    roots = {}
+    for pair in pairs:
+        name, _, where = pair.partition("=")
+        if name not in trees or not where:
+            raise SystemExit(f"bad --l3-root {pair!r}: TREE=DIR with TREE one of {sorted(trees)}")
+        roots[name] = Path(where)
+    return roots
+
+
 def check_imports_from(tree: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(tree))
     where = subprocess.run(
@@ -73,13 +89,13 @@ def check_imports_from(tree: Path) -> None:
 
 
 def start(name: str, tree: Path | None, system: str, plan, core: int, out: Path,
-          model: Path) -> Server:
+          model: Path, l3_root: Path | None = None) -> Server:
     spec = plan.server_specs()[next(s.server for s in bs.SYSTEMS if s.name == system)]
     os.environ["PYTHONPATH"] = str(tree) if tree is not None else ""
     server = Server(spec, model, bs.SERVED_NAME, plan.block_size,
                     bs.block_bytes(model, plan.block_size), core, out / "servers",
                     plan.max_model_len, plan.max_num_seqs, plan.max_batched_tokens,
-                    tag=f"-{name.replace(':', '-')}")
+                    tag=f"-{name.replace(':', '-')}", l3_root=l3_root)
     shutil.rmtree(server.l3_dir, ignore_errors=True)
     server.start()  # copies the environment: PYTHONPATH as set above
     return server
@@ -150,13 +166,14 @@ def main() -> int:
     if not set(systems) <= known:
         raise SystemExit(f"unknown systems {sorted(set(systems) - known)}; known: {sorted(known)}")
     bs.ensure_model(args.model)
-    core = sorted(os.sched_getaffinity(0))[-1]
+    core = bs.compute_core(args.core)
     os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - {core} or {core})
     system_of = {"vllm": "vllm"}
     for tree in trees:
         system_of.update((tree if len(systems) == 1 else f"{tree}:{s}", s) for s in systems)
+    l3_roots = l3_root_of(args.l3_root, trees)
     servers = {name: start(name, trees.get(name.split(":")[0]), system, plan, core, args.out,
-                           args.model)
+                           args.model, l3_roots.get(name.split(":")[0]))
                for name, system in system_of.items()}
     results: dict = {}
     try:

@@ -55,6 +55,8 @@ class Server:
     max_batched_tokens: int
     # Appended to the log's name (a second server of the same spec).
     tag: str = ""
+    # Where the file L3's directory goes (default: ``workdir``).
+    l3_root: Path | None = None
     port: int = 0
     admin_port: int = 0
     proc: subprocess.Popen | None = None
@@ -70,7 +72,7 @@ class Server:
 
     @property
     def l3_dir(self) -> Path:
-        return self.workdir / f"{self.spec.name}{self.tag}-l3"
+        return (self.l3_root or self.workdir) / f"{self.spec.name}{self.tag}-l3"
 
     def argv(self) -> list[str]:
         argv = [
