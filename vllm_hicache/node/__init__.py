@@ -36,6 +36,7 @@ another size gets an error while any member lives (docs say why).
 
 from vllm_hicache.node.errors import NodeTierError
 from vllm_hicache.node.index import Found
+from vllm_hicache.node.membership import check_name, tier_directory
 from vllm_hicache.node.segment import KEY_MAX_BYTES
 from vllm_hicache.node.tier import (
     DEFAULT_ROOT,
@@ -44,8 +45,6 @@ from vllm_hicache.node.tier import (
     NodeTierStats,
     Reservation,
     Reserved,
-    check_name,
-    tier_directory,
 )
 
 join = NodeTier.join

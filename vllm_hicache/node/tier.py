@@ -1,5 +1,7 @@
 """``NodeTier``: one process's membership of a node tier (the package
-docstring gives the design; segment.py, index.py and lease.py the formats).
+docstring gives the design; segment.py, index.py and lease.py the formats;
+membership.py how a tier is joined, reclaim.py how dead members' holdings
+are taken back).
 
 Who calls what: a process that keeps KV pages joins once (``join``) and
 leaves once (``leave``). To publish a page it ``reserve``s slots (getting the
@@ -21,36 +23,22 @@ own.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
-import re
-import secrets
-import shutil
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
 from vllm_hicache.node.errors import NodeTierError
-from vllm_hicache.node.index import EVICTION_POLICIES, Claimed, Found, Index
-from vllm_hicache.node.lease import (
-    Lease,
-    live_leases,
-    new_member_id,
-    orphan_files,
-    probe,
-    remove_unfinished,
-)
-from vllm_hicache.node.segment import KEY_MAX_BYTES, Geometry, Segment, SlotSeal
+from vllm_hicache.node.index import Claimed, Found
+from vllm_hicache.node.membership import Joined, join_tier
+from vllm_hicache.node.reclaim import Sweeper, probe_and_release, reclaim_dead
+from vllm_hicache.node.segment import KEY_MAX_BYTES, Geometry, SlotSeal
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "/dev/shm"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_READY = "ready"
 
 
 @dataclass(frozen=True)
@@ -94,57 +82,6 @@ class NodeTierStats:
         return self.sealed_slots * self.page_bytes
 
 
-def tier_directory(root: str, name: str, identity: str) -> str:
-    """Where the tier of ``name`` for ``identity`` lives: tiers of different
-    identities never share a directory."""
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return os.path.join(root, f"hicache-node-{name}-{digest}")
-
-
-def check_name(name: object) -> str:
-    """``name`` if it can name a tier (it becomes part of a directory name),
-    else ValueError saying what is accepted."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"node tier name {name!r}: 1 to 64 letters, digits, '_', '.' or "
-                         "'-', starting with a letter or digit")
-    return name
-
-
-def _check_join_args(name: str, identity: str, capacity_bytes: int, page_bytes: int,
-                     root: str, eviction: str, lock_timeout_s: float,
-                     sweep_interval_s: float) -> None:
-    check_name(name)
-    if not isinstance(identity, str) or not identity:
-        raise ValueError("node tier identity must be a non-empty string (the key namespace "
-                         "of the KV bytes, e.g. KeyNamespace.tag)")
-    for what, value in (("capacity_bytes", capacity_bytes), ("page_bytes", page_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"node tier {what} must be a positive integer, got {value!r}")
-    if eviction not in EVICTION_POLICIES:
-        raise ValueError(f"node tier eviction {eviction!r}: one of {', '.join(EVICTION_POLICIES)}")
-    for what, seconds in (("lock_timeout_s", lock_timeout_s),
-                          ("sweep_interval_s", sweep_interval_s)):
-        if not isinstance(seconds, (int, float)) or not seconds > 0:
-            raise ValueError(f"node tier {what} must be a positive number, got {seconds!r}")
-    if not os.path.isdir(root):
-        raise NodeTierError(f"node tier root {root} is not a directory (a tmpfs such as "
-                            "/dev/shm is expected)")
-
-
-def _differences(settings: dict[str, object], segment: Segment, digest: bytes,
-                 wanted: dict[str, object]) -> list[str]:
-    """How an existing tier differs from what a joiner asks for."""
-    out = []
-    if settings.get("identity_sha256") != digest.hex() or segment.identity_digest != digest:
-        out.append("it holds another identity's pages (a tier directory name collision)")
-    if settings.get("epoch") != segment.epoch.hex():
-        out.append("its index and its segment come from different creations")
-    for what, value in wanted.items():
-        if settings.get(what) != value:
-            out.append(f"{what} is {settings.get(what)!r} there, {value!r} here")
-    return out
-
-
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     out = list(keys)
     for i, key in enumerate(out):
@@ -171,23 +108,19 @@ def _writable(buffer: object, page_bytes: int, what: str) -> memoryview:
 class NodeTier:
     """This process's membership of a node tier; made by ``join``."""
 
-    def __init__(self, name: str, directory: str, segment: Segment, index: Index,
-                 lease: Lease, member_id: str, lock_timeout_s: float,
+    def __init__(self, name: str, joined: Joined, lock_timeout_s: float,
                  sweep_interval_s: float) -> None:
         self.name = name
-        self.directory = directory
-        self.member_id = member_id
-        self._segment = segment
-        self._index = index
-        self._lease = lease
-        self._members_dir = os.path.join(directory, "members")
-        self._lock_timeout_s = lock_timeout_s
+        self.directory = joined.directory
+        self.member_id = joined.member_id
+        self._segment = joined.segment
+        self._index = joined.index
+        self._lease = joined.lease
+        self._members_dir = os.path.join(joined.directory, "members")
         self._pid = os.getpid()
         self._left = False
-        self._stop = threading.Event()
-        self._sweeper = threading.Thread(target=self._sweep_loop, args=(sweep_interval_s,),
-                                         name=f"hicache-node-sweep-{name}", daemon=True)
-        self._sweeper.start()
+        self._sweeper = Sweeper(name, joined.directory, joined.member_id, lock_timeout_s,
+                                sweep_interval_s)
 
     # --- joining and leaving ------------------------------------------------------
 
@@ -201,98 +134,9 @@ class NodeTier:
         capacity, page size or eviction policy gets NodeTierError while any
         member lives, and replaces the tier (its pages are lost) when none
         does. A different ``identity`` is a different tier."""
-        _check_join_args(name, identity, capacity_bytes, page_bytes, root, eviction,
-                         lock_timeout_s, sweep_interval_s)
-        directory = tier_directory(root, name, identity)
-        digest = hashlib.sha256(identity.encode()).digest()
-        # Before anything is touched: a size that holds no page changes nothing.
-        geometry = Geometry.for_capacity(capacity_bytes, page_bytes)
-        member_id = new_member_id()
-        # Creation, replacement and the first steps of membership are
-        # serialised per tier by a flock the kernel drops if its holder dies.
-        lock_fd = os.open(os.path.join(root, f".{os.path.basename(directory)}.lock"),
-                          os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            segment, index = cls._open_or_create(directory, digest, geometry, eviction,
-                                                 lock_timeout_s)
-            try:
-                lease = Lease.acquire(os.path.join(directory, "members"), member_id)
-                index.add_member(member_id, os.getpid())
-            except BaseException:
-                index.close()
-                segment.close()
-                raise
-        finally:
-            os.close(lock_fd)
-        logger.info("HiCache node tier %r: joined %s as %s (%d slots of %d bytes)", name,
-                    directory, member_id, segment.geometry.num_slots, page_bytes)
-        return cls(name, directory, segment, index, lease, member_id, lock_timeout_s,
-                   sweep_interval_s)
-
-    @classmethod
-    def _open_or_create(cls, directory: str, digest: bytes, geometry: Geometry, eviction: str,
-                        lock_timeout_s: float) -> tuple[Segment, Index]:
-        members_dir = os.path.join(directory, "members")
-        wanted: dict[str, object] = {"capacity_bytes": geometry.capacity_bytes,
-                                     "page_bytes": geometry.page_bytes, "eviction": eviction}
-        if os.path.exists(os.path.join(directory, _READY)):
-            opened = cls._open(directory, digest, wanted, lock_timeout_s)
-            if isinstance(opened, tuple):
-                return opened
-            live = live_leases(members_dir)
-            if live:
-                raise NodeTierError(
-                    f"node tier at {directory} is in use by {live} live member(s) and "
-                    f"{opened}. Every instance sharing a node tier must configure the same "
-                    "size, page size and eviction policy (or use another tier name)")
-            logger.warning("HiCache node tier at %s: no live member and %s: replacing it "
-                           "(its pages are dropped)", directory, opened)
-        if os.path.exists(directory):
-            shutil.rmtree(directory)  # a replaced tier, or a creation that died halfway
-        os.makedirs(members_dir)
-        epoch = secrets.token_bytes(16)
-        try:
-            segment = Segment.create(os.path.join(directory, "pages"), geometry, digest, epoch)
-        except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
-        index = Index(os.path.join(directory, "index.sqlite"), lock_timeout_s)
-        index.create(geometry.num_slots, {
-            "identity_sha256": digest.hex(), "epoch": epoch.hex(),
-            "capacity_bytes": geometry.capacity_bytes, "page_bytes": geometry.page_bytes,
-            "num_slots": geometry.num_slots}, eviction)
-        # Written last: a directory without it is a creation that died.
-        ready = os.path.join(directory, f".{_READY}")
-        with open(ready, "w") as f:
-            f.write(epoch.hex() + "\n")
-        os.rename(ready, os.path.join(directory, _READY))
-        return segment, index
-
-    @classmethod
-    def _open(cls, directory: str, digest: bytes, wanted: dict[str, object],
-              lock_timeout_s: float) -> tuple[Segment, Index] | str:
-        """The existing tier, or why it cannot be used as it is."""
-        try:
-            segment = Segment.attach(os.path.join(directory, "pages"))
-        except (OSError, NodeTierError) as e:
-            return f"its segment is damaged ({e})"
-        index = Index(os.path.join(directory, "index.sqlite"), lock_timeout_s)
-        try:
-            settings = index.settings()
-        except NodeTierError as e:
-            index.close()
-            segment.close()
-            return f"its index is damaged ({e})"
-        differs = _differences(settings, segment, digest, wanted)
-        if differs:
-            index.close()
-            segment.close()
-            return "it differs from what this process asks for: " + "; ".join(differs)
-        index.use_policy(str(settings["eviction"]))
-        _reclaim_dead(index, os.path.join(directory, "members"), None)
-        remove_unfinished(os.path.join(directory, "members"))  # we hold the creation lock
-        return segment, index
+        joined = join_tier(name, identity, capacity_bytes, page_bytes, root, eviction,
+                           lock_timeout_s, sweep_interval_s)
+        return cls(name, joined, lock_timeout_s, sweep_interval_s)
 
     def leave(self) -> None:
         """Stop sweeping, drop this member's pins and reservations, release the
@@ -301,9 +145,7 @@ class NodeTier:
         if self._left:
             return
         self._left = True
-        self._stop.set()
-        if threading.current_thread() is not self._sweeper:
-            self._sweeper.join()
+        self._sweeper.stop()
         try:
             if os.getpid() == self._pid:
                 freed = self._index.remove_member(self.member_id)
@@ -512,22 +354,7 @@ class NodeTier:
     def sweep(self) -> list[str]:
         """Reclaim the pins and reservations of dead members now; their ids."""
         self._live()
-        return _reclaim_dead(self._index, self._members_dir, self.member_id)
-
-    def _sweep_loop(self, interval_s: float) -> None:
-        index: Index | None = None
-        try:
-            while not self._stop.wait(interval_s):
-                try:
-                    index = index or Index(os.path.join(self.directory, "index.sqlite"),
-                                           self._lock_timeout_s)
-                    _reclaim_dead(index, self._members_dir, self.member_id)
-                except (NodeTierError, OSError) as e:
-                    logger.warning("HiCache node tier %r: sweep failed (%s); retrying in "
-                                   "%.1f s", self.name, e, interval_s)
-        finally:
-            if index is not None:
-                index.close()
+        return reclaim_dead(self._index, self._members_dir, self.member_id)
 
     def stats(self) -> NodeTierStats:
         self._live()
@@ -546,7 +373,7 @@ class NodeTier:
         self._live()
         return [m.member for m in self._index.members()
                 if m.member == self.member_id
-                or not _probe_and_release(self._members_dir, m.member)]
+                or not probe_and_release(self._members_dir, m.member)]
 
     def check_integrity(self) -> list[str]:
         """What breaks the tier's invariants: the index's (index.py), and every
@@ -563,32 +390,3 @@ class NodeTier:
                     problems.append(f"slot {hit.slot}: seal differs from the index's key "
                                     f"{hit.key.hex()} at generation {hit.gen}")
         return problems
-
-
-def _probe_and_release(members_dir: str, member: str) -> bool:
-    """Whether ``member`` is dead, leaving its lease file as it was."""
-    found = probe(members_dir, member)
-    found.let_go()
-    return found.dead
-
-
-def _reclaim_dead(index: Index, members_dir: str, me: str | None) -> list[str]:
-    """Remove every dead member from ``index`` (its pins and reservations
-    with it), then the lease files of no member; returns the removed ids."""
-    gone: list[str] = []
-    rows = index.members()
-    for row in rows:
-        if row.member == me:
-            continue
-        found = probe(members_dir, row.member)
-        if not found.dead:
-            continue
-        try:
-            freed = index.remove_member(row.member)
-        finally:
-            found.finish()
-        gone.append(row.member)
-        logger.info("HiCache node tier: reclaimed dead member %s (%d reservations, %d pins)",
-                    row.member, freed.reservations, freed.pins)
-    orphan_files(members_dir, {row.member for row in rows})
-    return gone
