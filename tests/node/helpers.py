@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from vllm_hicache.node import NodeTier, join
 from vllm_hicache.node.segment import HEADER_BYTES, SLOT_HEADER_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +31,26 @@ def capacity_for(slots: int, page_bytes: int = PAGE_BYTES) -> int:
     """A capacity of exactly ``slots`` pages (segment.py's layout)."""
     header = -(-(HEADER_BYTES + SLOT_HEADER_BYTES * slots) // 4096) * 4096
     return header + slots * page_bytes
+
+
+def make(root: str, slots: int = 8, **kw) -> NodeTier:
+    """Join the test tier of ``slots`` pages under ``root`` (``kw``: join's options)."""
+    return join(kw.pop("name", NAME), kw.pop("identity", IDENTITY), capacity_for(slots),
+                PAGE_BYTES, root=root, **kw)
+
+
+def insert(tier: NodeTier, keys: list[bytes]) -> list[bytes]:
+    """Publish ``keys``' pages; returns the keys evicted for them."""
+    got = tier.reserve(len(keys))
+    assert len(got.slots) == len(keys)
+    for res, key in zip(got.slots, keys):
+        tier.write(res, page_of(key))
+        assert tier.seal(res, key)
+    return got.evicted_keys
+
+
+def buf() -> np.ndarray:
+    return np.zeros(PAGE_BYTES, np.uint8)
 
 
 class Child:

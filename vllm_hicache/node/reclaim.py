@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import threading
 
 from vllm_hicache.node.errors import NodeTierError
@@ -81,7 +82,8 @@ class Sweeper:
                 try:
                     index = index or Index(self._index_path, self._lock_timeout_s)
                     reclaim_dead(index, self._members_dir, self._member_id)
-                except (NodeTierError, OSError) as e:
+                except (NodeTierError, OSError, sqlite3.Error) as e:
+                    # A busy or vanished index must not end the sweeps for good.
                     logger.warning("HiCache node tier %r: sweep failed (%s); retrying in "
                                    "%.1f s", self._name, e, self._interval_s)
         finally:
