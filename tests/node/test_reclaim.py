@@ -30,7 +30,8 @@ def test_a_failing_sweep_is_logged_and_retried_and_stop_ends_it(tmp_path, caplog
     (tmp_path / "members").mkdir()
     (tmp_path / "index.sqlite").mkdir()  # SQLite cannot open a directory
     caplog.set_level(logging.WARNING, logger="vllm_hicache.node.reclaim")
-    sweeper = Sweeper("t", str(tmp_path), "me", lock_timeout_s=0.5, interval_s=0.01)
+    sweeper = Sweeper("t", str(tmp_path / "index.sqlite"), str(tmp_path / "members"), "me",
+                      lock_timeout_s=0.5, interval_s=0.01)
 
     def failures() -> int:
         return sum("sweep failed" in r.getMessage() for r in caplog.records)

@@ -33,6 +33,16 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _READY = "ready"
 
 
+def members_dir(directory: str) -> str:
+    """The tier's lease files (lease.py)."""
+    return os.path.join(directory, "members")
+
+
+def index_path(directory: str) -> str:
+    """The tier's index (index.py)."""
+    return os.path.join(directory, "index.sqlite")
+
+
 @dataclass(frozen=True)
 class Joined:
     """A new member's handles on the tier at ``directory``."""
@@ -63,7 +73,7 @@ def join_tier(name: str, identity: str, capacity_bytes: int, page_bytes: int, ro
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         segment, index = _open_or_create(directory, digest, geometry, eviction, lock_timeout_s)
         try:
-            lease = Lease.acquire(os.path.join(directory, "members"), member_id)
+            lease = Lease.acquire(members_dir(directory), member_id)
             index.add_member(member_id, os.getpid())
         except BaseException:
             index.close()
@@ -128,17 +138,19 @@ def _differences(settings: dict[str, object], segment: Segment, digest: bytes,
     return out
 
 
-
 def _open_or_create(directory: str, digest: bytes, geometry: Geometry, eviction: str,
                     lock_timeout_s: float) -> tuple[Segment, Index]:
-    members_dir = os.path.join(directory, "members")
+    """The tier at ``directory`` as asked for: opened as it is, or made anew
+    (absent, half made, or differing with no member alive); NodeTierError
+    while a live member uses a tier that differs. Called under the flock."""
+    leases = members_dir(directory)
     wanted: dict[str, object] = {"capacity_bytes": geometry.capacity_bytes,
                                  "page_bytes": geometry.page_bytes, "eviction": eviction}
     if os.path.exists(os.path.join(directory, _READY)):
         opened = _open(directory, digest, wanted, lock_timeout_s)
         if isinstance(opened, tuple):
             return opened
-        live = live_leases(members_dir)
+        live = live_leases(leases)
         if live:
             raise NodeTierError(
                 f"node tier at {directory} is in use by {live} live member(s) and "
@@ -148,14 +160,14 @@ def _open_or_create(directory: str, digest: bytes, geometry: Geometry, eviction:
                        "(its pages are dropped)", directory, opened)
     if os.path.exists(directory):
         shutil.rmtree(directory)  # a replaced tier, or a creation that died halfway
-    os.makedirs(members_dir)
+    os.makedirs(leases)
     epoch = secrets.token_bytes(16)
     try:
         segment = Segment.create(os.path.join(directory, "pages"), geometry, digest, epoch)
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
-    index = Index(os.path.join(directory, "index.sqlite"), lock_timeout_s)
+    index = Index(index_path(directory), lock_timeout_s)
     index.create(geometry.num_slots, {
         "identity_sha256": digest.hex(), "epoch": epoch.hex(),
         "capacity_bytes": geometry.capacity_bytes, "page_bytes": geometry.page_bytes,
@@ -167,6 +179,7 @@ def _open_or_create(directory: str, digest: bytes, geometry: Geometry, eviction:
     os.rename(ready, os.path.join(directory, _READY))
     return segment, index
 
+
 def _open(directory: str, digest: bytes, wanted: dict[str, object],
           lock_timeout_s: float) -> tuple[Segment, Index] | str:
     """The existing tier, or why it cannot be used as it is."""
@@ -174,7 +187,7 @@ def _open(directory: str, digest: bytes, wanted: dict[str, object],
         segment = Segment.attach(os.path.join(directory, "pages"))
     except (OSError, NodeTierError) as e:
         return f"its segment is damaged ({e})"
-    index = Index(os.path.join(directory, "index.sqlite"), lock_timeout_s)
+    index = Index(index_path(directory), lock_timeout_s)
     try:
         settings = index.settings()
     except NodeTierError as e:
@@ -187,7 +200,6 @@ def _open(directory: str, digest: bytes, wanted: dict[str, object],
         segment.close()
         return "it differs from what this process asks for: " + "; ".join(differs)
     index.use_policy(str(settings["eviction"]))
-    reclaim_dead(index, os.path.join(directory, "members"), None)
-    remove_unfinished(os.path.join(directory, "members"))  # we hold the creation lock
+    reclaim_dead(index, members_dir(directory), None)
+    remove_unfinished(members_dir(directory))  # we hold the creation lock
     return segment, index
-

@@ -12,7 +12,6 @@ when they open the tier.
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
 import threading
 
@@ -56,11 +55,11 @@ class Sweeper:
     """A daemon thread reclaiming dead members every ``interval_s``, on a
     connection of its own (a sweep never waits for the member's threads)."""
 
-    def __init__(self, name: str, directory: str, member_id: str, lock_timeout_s: float,
-                 interval_s: float) -> None:
+    def __init__(self, name: str, index_path: str, members_dir: str, member_id: str,
+                 lock_timeout_s: float, interval_s: float) -> None:
         self._name = name
-        self._index_path = os.path.join(directory, "index.sqlite")
-        self._members_dir = os.path.join(directory, "members")
+        self._index_path = index_path
+        self._members_dir = members_dir
         self._member_id = member_id
         self._lock_timeout_s = lock_timeout_s
         self._interval_s = interval_s

@@ -32,7 +32,7 @@ import xxhash
 
 from vllm_hicache.node.errors import NodeTierError
 from vllm_hicache.node.index import Claimed, Found
-from vllm_hicache.node.membership import Joined, join_tier
+from vllm_hicache.node.membership import Joined, index_path, join_tier, members_dir
 from vllm_hicache.node.reclaim import Sweeper, probe_and_release, reclaim_dead
 from vllm_hicache.node.segment import KEY_MAX_BYTES, Geometry, SlotSeal
 
@@ -116,11 +116,11 @@ class NodeTier:
         self._segment = joined.segment
         self._index = joined.index
         self._lease = joined.lease
-        self._members_dir = os.path.join(joined.directory, "members")
+        self._members_dir = members_dir(joined.directory)
         self._pid = os.getpid()
         self._left = False
-        self._sweeper = Sweeper(name, joined.directory, joined.member_id, lock_timeout_s,
-                                sweep_interval_s)
+        self._sweeper = Sweeper(name, index_path(joined.directory), self._members_dir,
+                                joined.member_id, lock_timeout_s, sweep_interval_s)
 
     # --- joining and leaving ------------------------------------------------------
 

@@ -137,11 +137,10 @@ class NodeAdmission:
         with ``resident`` blocks of ``chain`` in L1? Its probe then stands in
         for the L3 lookup (module docstring, "When")."""
         hits = self.hits(planner)
-        end = len(chain)
-        cap = state.controls.load_block_cap(self.block_size)
-        if cap is not None:
-            end = min(end, resident + cap)
-        if hits is None or not state.controls.loads_l2 or resident >= end:
+        if hits is None or not state.controls.loads_l2:
+            return False
+        end = self._capped(state, resident, len(chain))
+        if resident >= end:
             return False
         found = hits.prefix(chain[resident:end])
         if found:
@@ -157,10 +156,8 @@ class NodeAdmission:
         if hits is None or not state.controls.loads_l2:
             return None
         start = num_computed_tokens // self.block_size
-        end = loadable_block_limit(state.request.num_tokens, self.block_size)
-        cap = state.controls.load_block_cap(self.block_size)
-        if cap is not None:
-            end = min(end, start + cap)
+        end = self._capped(state, start,
+                           loadable_block_limit(state.request.num_tokens, self.block_size))
         found = self._prefix(hits, state, start, end, step)
         if not found:
             return None
@@ -169,6 +166,11 @@ class NodeAdmission:
         assert planner is not None
         planner.forget(state.request.request_id)  # not staged through L2 as well
         return state.lookup.node_blocks * self.block_size
+
+    def _capped(self, state: ReqState, start: int, end: int) -> int:
+        """``end``, cut to the request's load cap of blocks after ``start``."""
+        cap = state.controls.load_block_cap(self.block_size)
+        return end if cap is None else min(end, start + cap)
 
     @staticmethod
     def _prefix(hits: NodeHits, state: ReqState, start: int, end: int, step: int) -> int:
