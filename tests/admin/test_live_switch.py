@@ -31,7 +31,7 @@ from vllm_hicache.admin.guard import AdminPolicy
 from vllm_hicache.common.jobs import BackupJob, PrefetchJob, StorageCommand
 from vllm_hicache.common.page_ops import OpKind
 from vllm_hicache.common.stats import WorkerCounters
-from vllm_hicache.l3 import planner as planner_module
+from vllm_hicache.l3 import lookups as lookups_module
 from vllm_hicache.l3.attach_worker import RankL3
 from vllm_hicache.l3.backfill import Backfill
 from vllm_hicache.l3.planner import GENERATION_SHIFT
@@ -71,7 +71,7 @@ def lookups_answered_in_the_pass(monkeypatch) -> None:
     that started it, as on an idle machine: the tests below count steps, and
     on a busy one a lookup thread may miss the planner's 2 ms wait, which
     admits its request a step later (seen in CI)."""
-    monkeypatch.setattr(planner_module, "LOOKUP_WAIT_PER_STEP_S", 10.0)
+    monkeypatch.setattr(lookups_module, "LOOKUP_WAIT_PER_STEP_S", 10.0)
 
 
 def test_replace_under_load_switches_between_steps(tiny_model_dir):

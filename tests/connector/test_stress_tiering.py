@@ -92,7 +92,7 @@ def watch_evictions(h, strict: bool) -> list[int]:
         evicted[0] += len(hashes)
         if strict:
             for block_hash in hashes:
-                assert half.l3._exists((block_hash,)) == 1, (
+                assert half.l3.lookups._exists((block_hash,)) == 1, (
                     "exclusive L3 freed a page before its backup reached L3")
         inner(hashes)
 
@@ -107,7 +107,7 @@ def lookups_answered(h, timeout_s: float = 10.0) -> None:
     comes back from L3 (seen in CI, best_effort)."""
     l3 = h.sched_half.l3
     deadline = time.monotonic() + timeout_s
-    while l3._num_pending_lookups and time.monotonic() < deadline:
+    while l3.lookups.num_pending and time.monotonic() < deadline:
         time.sleep(0.001)
 
 

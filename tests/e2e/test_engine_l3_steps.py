@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e.engine_utils import close, generate, make_llm, prompts_with_shared_prefix
 from tests.e2e.test_engine_l3 import expected_hits, l3_extra
-from vllm_hicache.l3 import planner as planner_module
+from vllm_hicache.l3 import lookups as lookups_module
 from vllm_hicache.l3 import report_wait
 from vllm_hicache.planner.log_format import Admit, Arrive, read_log
 
@@ -33,7 +33,7 @@ def admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch,
                     **storage_options) -> list[int]:
     """Steps from arrival to admission of each L3 hit of a second pass over
     the prompts (L1 and L2 emptied first), checking the answers and the hits."""
-    monkeypatch.setattr(planner_module, "LOOKUP_WAIT_PER_STEP_S", GENEROUS_S)
+    monkeypatch.setattr(lookups_module, "LOOKUP_WAIT_PER_STEP_S", GENEROUS_S)
     monkeypatch.setattr(report_wait, "PREFETCH_REPORT_WAIT_S", GENEROUS_S)
     log_path = tmp_path / "access.log"
     extra = l3_extra(tmp_path / "l3")

@@ -62,13 +62,13 @@ def planner_with_held_lookup(world_size: int = 1):
                         max_inflight_pages=8, ctx=PlannerContext(tree, ops, alloc))
     gate = threading.Event()
     # No namespaces: the store "has" every block; the lookup answers when let go.
-    planner._exists = lambda hashes: gate.wait(10) and len(hashes)  # type: ignore[method-assign]
+    planner.lookups._exists = lambda hashes: gate.wait(10) and len(hashes)  # type: ignore[method-assign]
     return planner, tree, gate
 
 
 def wait_answered(planner: L3Planner) -> None:
     deadline = time.monotonic() + 10
-    while not planner._finished_lookups:
+    while not planner.lookups.has_finished():
         assert time.monotonic() < deadline, "the lookup never answered"
         time.sleep(0.001)
 

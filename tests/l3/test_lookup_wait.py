@@ -12,7 +12,7 @@ from tests.conftest import make_config
 from tests.connector.mem_backend import MemBackend
 from vllm_hicache.common.page_ops import PageOps
 from vllm_hicache.index import HiRadixTree
-from vllm_hicache.l3 import planner as planner_module
+from vllm_hicache.l3 import lookups as lookups_module
 from vllm_hicache.l3.planner import L3Planner, PlannerContext
 from vllm_hicache.policy.eviction import make_eviction_policy
 from vllm_hicache.storage import StorageContext
@@ -35,7 +35,7 @@ def planner(answer_after_s: float, hit: int, policy: str = "wait_complete") -> L
         release.wait(answer_after_s)
         return hit
 
-    p._exists = exists  # type: ignore[method-assign]
+    p.lookups._exists = exists  # type: ignore[method-assign]
     p.release = release  # type: ignore[attr-defined]
     return p
 
@@ -52,7 +52,7 @@ def test_a_fast_hit_is_prefetched_by_the_same_step():
     p.start_lookup("r", CHAIN, 0)
     assert p.must_wait("r")  # it waits for its prefetch...
     deadline = time.monotonic() + 5
-    while not p._finished_lookups and time.monotonic() < deadline:
+    while not p.lookups.has_finished() and time.monotonic() < deadline:
         time.sleep(0.0001)  # (the completion callback runs just after the answer)
     (job,) = p.plan_prefetches()  # ...which leaves with this very step
     assert len(job.pages) == 4
@@ -66,11 +66,11 @@ def test_a_slow_store_costs_a_pass_at_most_its_budget():
     started = time.monotonic()
     assert all(p.must_wait(f"r{i}") for i in range(20))
     elapsed = time.monotonic() - started
-    assert elapsed < planner_module.LOOKUP_WAIT_PER_STEP_S + 0.05, elapsed
+    assert elapsed < lookups_module.LOOKUP_WAIT_PER_STEP_S + 0.05, elapsed
     p.plan_prefetches()  # the next pass has its budget again
     started = time.monotonic()
     assert p.must_wait("r0")
-    assert time.monotonic() - started >= planner_module.LOOKUP_WAIT_PER_STEP_S * 0.9
+    assert time.monotonic() - started >= lookups_module.LOOKUP_WAIT_PER_STEP_S * 0.9
     p.release.set()
     p.close()
 

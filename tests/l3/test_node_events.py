@@ -139,12 +139,12 @@ def test_a_lookup_records_how_much_of_the_prefix_the_node_tier_had(chain):
     for rank in (0, 1):
         chain.put(ns(rank).object_keys(HASHES[:2]), [[np.zeros(4160, np.uint8)]] * 2)
     found = [0]
-    assert planner._lookup(tuple(HASHES), found) == 2 and found == [2]
+    assert planner.lookups.run(tuple(HASHES), found) == 2 and found == [2]
     chain.put(ns(0).object_keys(HASHES[2:3]), [[np.zeros(4160, np.uint8)]])  # rank 0 only
-    assert planner._lookup(tuple(HASHES), found) == 2 and found == [2]
+    assert planner.lookups.run(tuple(HASHES), found) == 2 and found == [2]
     planner.start_lookup("r", tuple(HASHES), 1)
     deadline = time.monotonic() + 10
-    while planner._lookups["r"].node_found[0] != 1 and time.monotonic() < deadline:
+    while planner.lookups.get("r").node_found[0] != 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert planner._lookups["r"].node_found == [1]  # blocks 1.. of the chain: block 1
+    assert planner.lookups.get("r").node_found == [1]  # blocks 1.. of the chain: block 1
     assert planner.node_range("r") is None  # no prefetch yet

@@ -177,13 +177,13 @@ def test_admin_clear_empties_l3_and_reset_keeps_it(tiny_model_dir):
 def test_lookup_backlog_is_bounded(tiny_model_dir, monkeypatch):
     """Scenario: the store hangs; requests keep arriving. Lookups beyond the
     cap are skipped (no L3 hit) instead of queueing without bound."""
-    from vllm_hicache.l3 import planner as l3_scheduler
+    from vllm_hicache.l3 import lookups as l3_lookups
 
-    monkeypatch.setattr(l3_scheduler, "MAX_PENDING_LOOKUPS", 3)
+    monkeypatch.setattr(l3_lookups, "MAX_PENDING_LOOKUPS", 3)
     h, _ = l3_harness(tiny_model_dir, policy="best_effort")
     planner = h.sched_half.l3
     gate = threading.Event()
-    monkeypatch.setattr(planner, "_exists", lambda hashes: gate.wait(10) and 0)
+    monkeypatch.setattr(planner.lookups, "_exists", lambda hashes: gate.wait(10) and 0)
     try:
         for i in range(6):
             h.add(f"r{i}", prompt(30 + i, 3 * BLOCK + 1), max_tokens=1)

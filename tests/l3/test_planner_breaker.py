@@ -86,7 +86,7 @@ def test_a_trip_stops_waits_and_drops_the_backlog(tiny_model_dir, monkeypatch):
     health = with_fake_health(h)
     planner = h.sched_half.l3
     gate = threading.Event()
-    monkeypatch.setattr(planner, "_exists", lambda hashes: gate.wait(10) and 0)
+    monkeypatch.setattr(planner.lookups, "_exists", lambda hashes: gate.wait(10) and 0)
     try:
         h.add("a", prompt(41, 4 * BLOCK + 1), max_tokens=1)
         for _ in range(5):

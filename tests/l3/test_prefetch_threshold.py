@@ -62,7 +62,7 @@ def planner_with(threshold, gate: FakeGate | None) -> L3Planner:
 def lookup_then_plan(planner: L3Planner, start: int):
     planner.start_lookup("r", CHAIN, start)
     deadline = time.monotonic() + 10
-    while not planner._finished_lookups and time.monotonic() < deadline:
+    while not planner.lookups.has_finished() and time.monotonic() < deadline:
         time.sleep(0.001)
     return planner.plan_prefetches()
 

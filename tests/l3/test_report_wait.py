@@ -24,7 +24,7 @@ def started(policy: str):
     p.start_lookup("r", CHAIN, 0)
     p.must_wait("r")
     deadline = time.monotonic() + 5
-    while not p._finished_lookups and time.monotonic() < deadline:
+    while not p.lookups.has_finished() and time.monotonic() < deadline:
         time.sleep(0.0001)  # (the completion callback runs just after the answer)
     (job,) = p.plan_prefetches()
     return p, job

@@ -16,7 +16,7 @@ from tests.connector.test_stress_tiering import lookups_answered
 from tests.l3.test_planner import forget_l1_and_l2, l3_harness
 from tests.scheduler.test_scheduler import assert_clean, prompt
 from vllm_hicache.common.stats import key, planner_samples
-from vllm_hicache.l3 import planner as planner_module
+from vllm_hicache.l3 import lookups as lookups_module
 
 # Long enough for any lookup on a loaded machine (the lookup must answer in
 # the pass for same-step admission); every wait ends as soon as it is answered.
@@ -26,7 +26,7 @@ NUM_BLOCKS = 5
 
 @pytest.fixture(autouse=True)
 def lookups_answer_in_the_pass(monkeypatch):
-    monkeypatch.setattr(planner_module, "LOOKUP_WAIT_PER_STEP_S", GENEROUS_S)
+    monkeypatch.setattr(lookups_module, "LOOKUP_WAIT_PER_STEP_S", GENEROUS_S)
 
 
 def warm_l3(tiny_model_dir, read_wait_ms: float = 1000.0, **extra):

@@ -1,4 +1,5 @@
-"""WriteBackWatcher driven directly: a fake block pool, a real HiRadixTree."""
+"""WriteBackWatcher driven directly: a fake block pool, a real HiRadixTree;
+EvictionWriteBacks on a real L2StorePlanner and page ops."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ from dataclasses import dataclass
 
 import pytest
 
+from vllm_hicache.common.events import EventLog
+from vllm_hicache.common.page_ops import OpKind, PageOps
+from vllm_hicache.common.stats import HiCacheStats
+from vllm_hicache.connector.geometry import KVGeometry
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.policy import make_eviction_policy
-from vllm_hicache.scheduler.write_back import WriteBackCopy, WriteBackWatcher
+from vllm_hicache.policy.write import WritePolicy, hit_counter_slots
+from vllm_hicache.scheduler.group_blocks import GroupBlocks
+from vllm_hicache.scheduler.store_planner import L2StorePlanner
+from vllm_hicache.scheduler.write_back import EvictionWriteBacks, WriteBackCopy, WriteBackWatcher
 
 # vLLM keys its cached blocks by BlockHash + a 4-byte KV-cache group id.
 GROUP_0 = (0).to_bytes(4, "big")
@@ -28,10 +36,10 @@ class FakeBlockPool:
 
     enable_caching = True
 
-    def __init__(self) -> None:
-        self.blocks: list[FakeBlock] = []
+    def __init__(self, num_blocks: int = 0) -> None:
+        self.blocks: list[FakeBlock] = [FakeBlock(i) for i in range(num_blocks)]
         self._by_hash: dict[bytes, FakeBlock] = {}
-        self._free: list[FakeBlock] = []
+        self._free: list[FakeBlock] = self.blocks[::-1]
         self._to_reuse: list[FakeBlock] = []
 
     @property
@@ -293,6 +301,93 @@ def test_rejects_a_pool_without_prefix_caching():
     pool.enable_caching = False
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         WriteBackWatcher(pool, 8)
+
+
+# --- EvictionWriteBacks: the scheduler half's glue -----------------------------
+
+
+class StepRig:
+    """EvictionWriteBacks wired as HiCacheScheduler wires it, on a pool of 8
+    L1 blocks; ``compute`` plays what ``L2StorePlanner.advance`` reports."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.pool = FakeBlockPool(num_blocks=8)
+        self.stats = HiCacheStats()
+        self.tree = HiRadixTree(num_pages, make_eviction_policy("lru"),
+                                on_evict=lambda hs: self.write_backs.forget(hs))
+        self.ops = PageOps(self.tree)
+        geom = KVGeometry(block_size=16, layer_names=("l0",), bytes_per_block=0,
+                          num_l1_blocks=8, num_kv_heads=2, head_size=8, is_mla=False)
+        self.stores = L2StorePlanner(
+            self.tree, self.ops, GroupBlocks(geom),
+            WritePolicy("write_back", hit_counter_slots(num_pages)), self.stats, None, 16,
+            EventLog(False, 16))
+        self.step = 0
+        self.write_backs = EvictionWriteBacks(self.stores, self.stats, lambda: self.step)
+        self.write_backs.watch(self.pool)
+
+    def compute(self, chain) -> None:
+        self.pool.cache(chain)
+        assert self.stores.write_back is not None
+        self.stores.write_back.observe(chain, 0, len(chain))
+
+    def next_step(self) -> None:
+        """What build_connector_meta does first: acknowledge the last step."""
+        self.step += 1
+        self.ops.close_step(self.step)
+
+
+def test_eviction_plans_a_pinned_copy_emitted_once():
+    rig = StepRig(num_pages=4)
+    A, B = names("A", "B")
+    rig.compute([A, B])
+    rig.step = 3
+    block_b = rig.pool.block_id_of(B)
+    rig.pool.evict([B])
+    rig.write_backs.plan()
+
+    copies = rig.write_backs.take()
+
+    assert copies == [WriteBackCopy(block_b, copies[0].page, [A, B])]
+    assert [(op.step, list(op.pages)) for op in rig.ops.live(OpKind.WRITE_BACK)] == [
+        (3, [copies[0].page])]
+    assert rig.tree.num_locked_pages == 1 and rig.stats.stored_blocks == 1
+    assert rig.write_backs.take() == []  # emitted once, counted once
+    assert rig.stats.stored_blocks == 1
+    rig.next_step()  # the copy's step acknowledged: its pin goes
+    assert rig.tree.num_locked_pages == 0
+    rig.tree.check_integrity()
+
+
+def test_every_page_pinned_skips_the_copy_and_counts_it():
+    rig = StepRig(num_pages=1)
+    A, C = names("A", "C")
+    rig.compute([A])
+    rig.compute([C])
+    rig.pool.evict([A])
+    rig.write_backs.plan()  # A's copy pins the only page until its step is acked
+    rig.pool.evict([C])
+    rig.write_backs.plan()
+
+    copies = rig.write_backs.take()
+
+    assert [c.chain for c in copies] == [[A]] and rig.ops.num_live(OpKind.WRITE_BACK) == 1
+    assert rig.stats.store_skipped_blocks == 1 and rig.stats.stored_blocks == 1
+    rig.tree.check_integrity()
+
+
+def test_prefix_cache_reset_plans_between_steps():
+    # vLLM resets its prefix cache between steps; the copies must be planned
+    # (and indexed) at once, so the next step can already hit them.
+    rig = StepRig(num_pages=4)
+    A, B = names("A", "B")
+    rig.compute([A, B])
+    assert rig.pool.reset_prefix_cache()
+    assert rig.tree.match([A, B]).num_blocks == 2
+
+    copies = rig.write_backs.take()
+
+    assert sorted(c.chain for c in copies) == [[A], [A, B]]
 
 
 # --- randomized ---------------------------------------------------------------

@@ -2,11 +2,12 @@
 
 Lookup: when a request arrives, the blocks beyond what L1/L2 hold are looked
 up in L3 (``exists_prefix``, min over TP ranks) on a background thread, so
-the scheduler never waits on I/O. Prefetch: in ``build_connector_meta`` a
-finished lookup whose hit passes ``prefetch_threshold`` (a fixed number of
-tokens, or under ``auto`` the load decision's cost model: ``LoadGate``)
-gets host pages (bounded by the in-flight cap) and becomes a PrefetchJob
-for the workers.
+the scheduler never waits on I/O (l3/lookups.py runs them; this module
+decides what they lead to). Prefetch: in ``build_connector_meta`` a finished
+lookup whose hit passes ``prefetch_threshold`` (a fixed number of tokens,
+or under ``auto`` the load decision's cost model: ``LoadGate``) gets host
+pages (bounded by the in-flight cap) and becomes a PrefetchJob for the
+workers.
 As every rank reports progress, the pages all ranks have verified are
 inserted into the tree: from then on they are ordinary L2 hits. Backup
 (l3/backups.py; the planner owns it as ``backups``, which callers use directly):
@@ -25,7 +26,7 @@ best_effort, for later requests.
 
 A lookup the request would wait for is given a moment to answer in the
 same schedule pass (``must_wait``): each step may spend at most
-``LOOKUP_WAIT_PER_STEP_S`` in total waiting on lookups. A store that answers
+``LOOKUP_WAIT_PER_STEP_S`` (l3/lookups.py) in total waiting on lookups. A store that answers
 in that time (a local file system, a warm cache) saves the request a whole
 step: a miss is admitted at once instead of one step later, and a hit's
 prefetch leaves with this step's metadata. A slower store costs each step at
@@ -51,13 +52,10 @@ Admission, exclusive mode, the backlog and write budgets: l3/backups.py.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,7 +70,6 @@ from vllm_hicache.common.jobs import (
 from vllm_hicache.common.page_ops import PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
 from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
-from vllm_hicache.daemon_pool import DaemonPool
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.l3.backups import L3Backups, PickL2Only
@@ -80,6 +77,7 @@ from vllm_hicache.l3.breaker import STATE_GAUGE, BreakerState
 from vllm_hicache.l3.canary import is_canary_key
 from vllm_hicache.l3.health_check import L3Health
 from vllm_hicache.l3.hit_stages import HitTimes, wait_stages
+from vllm_hicache.l3.lookups import L3Lookup, L3Lookups
 from vllm_hicache.l3.node_events import NodeTierEvents
 from vllm_hicache.l3.removals import RemovedKeys
 from vllm_hicache.l3.report_wait import step_budget_s
@@ -98,15 +96,11 @@ from vllm_hicache.storage_config import StorageConfig
 
 logger = logging.getLogger(__name__)
 
-# Lookups queued or running at once, at most (one lookup thread).
-MAX_PENDING_LOOKUPS = 256
 # Blocks a probe (a prefetch nobody waits for, to measure L3) reads, at most.
 PROBE_BLOCKS = 64
 # Prefetch op ids of backend generation g start at g << this (set_generation):
 # a late report of a replaced backend's op never names an op of its successor.
 GENERATION_SHIFT = 40
-# Seconds one schedule pass may block, in total, for lookups to answer.
-LOOKUP_WAIT_PER_STEP_S = 0.002
 
 
 class LoadGateLike(Protocol):
@@ -169,22 +163,6 @@ class _Op:
     same_step: int = 0
 
 
-@dataclass(slots=True)
-class _Lookup:
-    chain: tuple[bytes, ...]   # hashes of blocks 0 .. limit
-    start: int
-    deadline: float
-    future: Future[int]        # the store's hit count for chain[start:]
-    times: HitTimes            # for the request's hit stages (hit_stages.py)
-    op: _Op | None = None
-    done: bool = False         # nothing (more) to wait for
-    timed_out: bool = False    # counted as prefetches{event=timed_out}
-    nowait: bool = False       # hicache_load_decision declined to wait for it
-    # [blocks of chain[start:] the node tier had], set by the lookup thread
-    # (a holder: the lookup may finish before this record exists).
-    node_found: list[int] = field(default_factory=lambda: [0])
-
-
 class L3Planner:
     def __init__(self, cfg: StorageConfig, backend: StorageBackend, namespaces: list[KeyNamespace],
                  block_size: int, world_size: int, max_inflight_pages: int,
@@ -213,21 +191,14 @@ class L3Planner:
         self.prefetch_policy = PrefetchPolicy(
             cfg.prefetch_policy, cfg.prefetch_timeout_base, cfg.prefetch_timeout_per_ki_token,
             cfg.prefetch_timeout_max)
-        self._executor = DaemonPool(1, "hicache-lookup")
-        self._lookups: dict[str, _Lookup] = {}
-        # Kept by the lookups' completion callbacks (the lookup thread), so a
-        # new request or a step costs O(1), not a scan of every lookup.
-        self._pending_lock = threading.Lock()
-        self._num_pending_lookups = 0
-        self._finished_lookups: collections.deque[tuple[str, _Lookup]] = collections.deque()
+        # The store's lookups of arriving requests (l3/lookups.py).
+        self.lookups = L3Lookups(backend, namespaces)
         self._ops: dict[int, _Op] = {}
         self._inflight_pages = 0
         self._op_ids = itertools.count()
         # The backend generation this planner's jobs belong to (an admin
         # replace makes a new one; jobs.py).
         self.generation = 0
-        # What this schedule pass may still spend waiting on lookups (must_wait).
-        self._lookup_wait_left_s = LOOKUP_WAIT_PER_STEP_S
         # Prefetches started in this pass for same-step admission (must_wait),
         # sent with this step's metadata (plan_prefetches).
         self._same_step_jobs: list[tuple[_Op, PrefetchJob]] = []
@@ -239,15 +210,9 @@ class L3Planner:
         self.prefetch_revoked = 0
         self.prefetch_incomplete = 0
         self.prefetch_timed_out = 0
-        self.lookup_errors = 0
-        # Lookups handed to the lookup thread.
-        self.lookups_started = 0
         # Hits prefetch_threshold=auto left to vLLM: the cost model expected
         # computing them to be faster.
         self.prefetch_not_worth = 0
-        # Round trips of finished lookups (seconds), appended by the lookup
-        # thread, handed to the load gate by the scheduler's thread.
-        self._lookup_seconds: collections.deque[float] = collections.deque(maxlen=64)
         # Exact L3 removals: keys back to block hashes, and blocks announced.
         self.removals = RemovedKeys(namespaces, skip=is_canary_key)
         self.mode = mode
@@ -258,6 +223,15 @@ class L3Planner:
         self.node_events = (NodeTierEvents(backend.tier.name, namespaces, self.removals)
                             if isinstance(backend, NodeChainBackend) else None)
         self.l3_removed_blocks = 0
+
+    @property
+    def lookups_started(self) -> int:
+        """Lookups handed to the lookup thread."""
+        return self.lookups.started
+
+    @property
+    def lookup_errors(self) -> int:
+        return self.lookups.errors
 
     @property
     def write_budget(self) -> WriteBudget:
@@ -296,7 +270,7 @@ class L3Planner:
         usable = self.health.usable if self.health is not None else True
         if self._usable and not usable:
             self.backups.drop_for_breaker()
-            for lookup in self._lookups.values():
+            for lookup in self.lookups:
                 if lookup.op is None:
                     lookup.done = True
         self._usable = usable
@@ -334,7 +308,7 @@ class L3Planner:
         if not self._usable or (self.health is not None and not self.health.usable):
             self.breaker_skipped_lookups += 1  # a miss, at once
             return
-        if self._num_pending_lookups >= MAX_PENDING_LOOKUPS:
+        if self.lookups.full():
             # A slow or dead store must not build an unbounded backlog: the
             # request simply gets no L3 hit.
             self.skipped_lookups += 1
@@ -346,51 +320,7 @@ class L3Planner:
         if gate is not None and self.prefetch_policy.ever_waits:
             num = len(chain) - start
             nowait = not gate.prefetch_l3(start * self.block_size, num * self.block_size, num)
-        with self._pending_lock:
-            self._num_pending_lookups += 1
-        times = HitTimes(time.monotonic())
-        node_found = [0]
-        future = self._executor.submit(self._lookup, chain[start:], node_found)
-        self.lookups_started += 1
-        lookup = _Lookup(chain, start, deadline, future, times, nowait=nowait,
-                         node_found=node_found)
-        self._lookups[req_id] = lookup
-        lookup.future.add_done_callback(lambda _: self._lookup_done(req_id, lookup))
-
-    def _lookup_done(self, req_id: str, lookup: _Lookup) -> None:
-        """Completion callback (lookup thread, or here if already done)."""
-        lookup.times.answered = time.monotonic()
-        with self._pending_lock:
-            self._num_pending_lookups -= 1
-        if not lookup.future.cancelled() and lookup.future.exception() is not None:
-            self.lookup_errors += 1  # only this thread writes it
-        self._finished_lookups.append((req_id, lookup))
-
-    def _lookup(self, hashes: tuple[bytes, ...], node_found: list[int]) -> int:
-        """The store's hit for ``hashes``; with a node tier, also how many
-        of them it found there (into ``node_found[0]``)."""
-        if not isinstance(self.backend, NodeChainBackend):
-            return self._exists(hashes)
-        began = time.monotonic()
-        hit = node = len(hashes)
-        for ns in self.namespaces:
-            found_node, found = self.backend.exists_prefix_split(ns.object_keys(hashes[:hit]))
-            hit, node = min(hit, found), min(node, found_node)
-            if hit == 0:
-                break
-        node_found[0] = min(node, hit)
-        self._lookup_seconds.append(time.monotonic() - began)
-        return hit
-
-    def _exists(self, hashes: tuple[bytes, ...]) -> int:
-        began = time.monotonic()
-        hit = len(hashes)
-        for ns in self.namespaces:
-            hit = min(hit, self.backend.exists_prefix(ns.object_keys(hashes[:hit])))
-            if hit == 0:
-                break
-        self._lookup_seconds.append(time.monotonic() - began)
-        return hit
+        self.lookups.start(req_id, chain, start, deadline, nowait)
 
     def _set_threshold(self, cfg: StorageConfig) -> None:
         self.threshold_blocks = min_prefetch_blocks(cfg.prefetch_threshold, self.block_size)
@@ -408,16 +338,15 @@ class L3Planner:
         """Should this request wait (``None`` from get_num_new_matched_tokens)?
         ``resident``: its leading blocks vLLM's own cache holds now (a
         same-step read starts after them)."""
-        lookup = self._lookups.get(req_id)
+        lookup = self.lookups.get(req_id)
         if (lookup is None or lookup.nowait or not self.prefetch_policy.ever_waits
                 or not self._usable):
             return False
-        if not lookup.future.done() and self._lookup_wait_left_s > 0:
-            self._await_answer(lookup)
+        self.lookups.await_answer(lookup)
         if self._start_same_step(lookup, resident):
             return False  # admitted with the read (same_step_pages), if vLLM has room
         if (not lookup.done and lookup.op is None and lookup.future.done()
-                and self._hit(lookup) < self.threshold_blocks):
+                and self.lookups.hit(lookup) < self.threshold_blocks):
             lookup.done = True  # a miss: nothing to wait for (idempotent)
         now = time.monotonic()
         wait = self.prefetch_policy.should_wait(lookup.done, now, lookup.deadline)
@@ -428,7 +357,7 @@ class L3Planner:
             self.prefetch_timed_out += 1
         return wait
 
-    def _start_same_step(self, lookup: _Lookup, resident: int) -> bool:
+    def _start_same_step(self, lookup: L3Lookup, resident: int) -> bool:
         """Under same_step_read_wait_ms, a lookup that has answered with a
         hit starts its prefetch now, to be sent with this step; True while
         such a prefetch is unsent (its request can be admitted with it)."""
@@ -449,7 +378,7 @@ class L3Planner:
         """Pages of the request's unsent same-step prefetch, if it fills
         blocks from ``block`` on (right behind its L2 hit; None: from
         wherever it starts); else none."""
-        lookup = self._lookups.get(req_id)
+        lookup = self.lookups.get(req_id)
         op = lookup.op if lookup is not None else None
         if op is None or not op.unsent or (block is not None and op.start != block):
             return []
@@ -458,7 +387,8 @@ class L3Planner:
     def claim_same_step(self, req_id: str, block_ids: Sequence[int]) -> SameStepLoad:
         """The request was admitted with the first ``len(block_ids)`` pages
         of its same-step prefetch (same_step_pages): its L1 copies."""
-        lookup = self._lookups[req_id]
+        lookup = self.lookups.get(req_id)
+        assert lookup is not None, req_id
         op = lookup.op
         assert op is not None and op.unsent and len(block_ids) <= len(op.pages), req_id
         op.same_step = len(block_ids)
@@ -469,32 +399,10 @@ class L3Planner:
                                                         tuple(op.pages[: len(block_ids)])),
                             wait_s, self.generation)
 
-    def _await_answer(self, lookup: _Lookup) -> None:
-        """Block (within this pass's budget and the lookup's deadline) until
-        the lookup answers: a step saved when the store is fast."""
-        started = time.monotonic()
-        timeout = min(self._lookup_wait_left_s, lookup.deadline - started)
-        if timeout > 0:
-            wait([lookup.future], timeout=timeout)
-        self._lookup_wait_left_s -= time.monotonic() - started
-
-    @staticmethod
-    def _hit(lookup: _Lookup) -> int:
-        try:
-            return lookup.future.result()
-        except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
-            # One line, no traceback: a dead store fails every lookup.
-            logger.warning("HiCache L3 lookup failed, counted as a miss: %r", exc)
-            return 0
-
     def forget(self, req_id: str) -> None:
-        lookup = self._lookups.pop(req_id, None)
+        lookup = self.lookups.forget(req_id)
         if lookup is not None and lookup.op is not None:
             lookup.op.waited = False
-        # A declined lookup still runs: its hit is counted and may be probed
-        # (plan_prefetches), the only way a declined tier is measured again.
-        if lookup is not None and not lookup.nowait:
-            lookup.future.cancel()  # no-op if it already runs
 
     # --- per step ------------------------------------------------------------
 
@@ -503,7 +411,7 @@ class L3Planner:
         (each is considered once, as it finishes); the context's ``gate``
         (LoadGate) decides whether their requests wait for them. Ends the
         schedule pass: the next one may wait on lookups afresh."""
-        self._lookup_wait_left_s = LOOKUP_WAIT_PER_STEP_S
+        self.lookups.new_pass()
         # Started in the pass (same-step), whatever the breaker says now: their
         # pages are allocated and a load may wait on them.
         jobs = [job for _, job in self._same_step_jobs]
@@ -513,22 +421,22 @@ class L3Planner:
         return jobs + self._plan_finished_lookups()
 
     def _plan_finished_lookups(self) -> list[PrefetchJob]:
-        if not self._finished_lookups:
+        if not self.lookups.has_finished():
             return []
         if not self._usable:  # their requests compute the blocks
-            while self._finished_lookups:
-                self._finished_lookups.popleft()[1].done = True
+            for _, lookup in self.lookups.take_finished():
+                lookup.done = True
             return []
         ctx = self._context()
         tree, alloc, gate = ctx.tree, ctx.alloc, ctx.gate
-        while self._lookup_seconds and gate is not None:
-            gate.observe_l3_latency(self._lookup_seconds.popleft())
+        if gate is not None:
+            for seconds in self.lookups.take_seconds():
+                gate.observe_l3_latency(seconds)
         jobs: list[PrefetchJob] = []
-        while self._finished_lookups:
-            req_id, lookup = self._finished_lookups.popleft()
-            if self._lookups.get(req_id) is not lookup:
+        for req_id, lookup in self.lookups.take_finished():
+            if self.lookups.get(req_id) is not lookup:
                 if lookup.nowait and gate is not None and not lookup.future.cancelled():
-                    hit = self._hit(lookup)
+                    hit = self.lookups.hit(lookup)
                     self._count_declined(gate, hit)  # it computed them instead
                     if gate.wants_l3_sample():
                         jobs += self._probe(lookup, hit, tree, alloc)
@@ -539,13 +447,13 @@ class L3Planner:
                     jobs.append(job)
         return jobs
 
-    def _start_op(self, lookup: _Lookup, tree: HiRadixTree, alloc: Alloc | None,
+    def _start_op(self, lookup: L3Lookup, tree: HiRadixTree, alloc: Alloc | None,
                   gate: LoadGateLike | None = None, resident: int = 0) -> PrefetchJob | None:
         """The lookup's prefetch op, from block ``resident`` on at the
         earliest (blocks L1 holds now: a request sharing a prefix with one
         admitted a moment ago need not read it again)."""
         lookup.done = True  # unless an op starts below
-        end = lookup.start + self._hit(lookup)
+        end = lookup.start + self.lookups.hit(lookup)
         matched = tree.match(lookup.chain[:end]).pages
         start = max(lookup.start, resident)
         while start < len(matched) and matched[start] is not None:
@@ -586,7 +494,7 @@ class L3Planner:
         waits = self._usable and self.prefetch_policy.ever_waits  # else must_wait says no
         return step_budget_s(waits and any(op.waited for op in self._ops.values()))
 
-    def _probe(self, lookup: _Lookup, hit: int, tree: HiRadixTree,
+    def _probe(self, lookup: L3Lookup, hit: int, tree: HiRadixTree,
                alloc: Alloc | None) -> list[PrefetchJob]:
         """Read (part of) a declined hit nobody waits for, blocks already in
         L2 included, to measure L3 again: the only way a tier whose hits are
@@ -639,7 +547,7 @@ class L3Planner:
         """Work that still uses the backend: open backups and prefetches,
         lookups queued or running."""
         return {"backups": self.backups.num_open(), "prefetches": len(self._ops),
-                "lookups": self._num_pending_lookups}
+                "lookups": self.lookups.num_pending}
 
     def set_generation(self, generation: int) -> None:
         """Tag this planner's jobs and prefetch op ids with ``generation``;
@@ -653,12 +561,9 @@ class L3Planner:
         """A replace or detach: no request waits on this planner any more
         (its successor, or none, answers must_wait); lookups not yet run are
         cancelled. Open ops still complete as their reports arrive."""
-        for lookup in self._lookups.values():
-            lookup.future.cancel()
+        self.lookups.stop()
         for op in self._ops.values():
             op.waited = False
-        self._lookups.clear()
-        self._finished_lookups.clear()
         # Same-step prefetches this pass started are never sent now: the
         # loads that wait on them find no read (recomputed).
         tree = self._context().tree if self.ctx is not None else None
@@ -687,7 +592,7 @@ class L3Planner:
     def awaits_io(self) -> bool:
         """Lookups still running, prefetches not yet acknowledged, or
         deferred backups to catch up on."""
-        return bool(self._ops) or self._num_pending_lookups > 0 or len(self.backups.backlog) > 0
+        return bool(self._ops) or self.lookups.num_pending > 0 or len(self.backups.backlog) > 0
 
     def prefetch_pages(self) -> set[int]:
         """Pages open prefetches hold outside the tree (not yet committed)."""
@@ -770,13 +675,13 @@ class L3Planner:
                                    self.backend.name)
             self._inflight_pages -= len(op.pages)
             del self._ops[op.op_id]
-            for lookup in self._lookups.values():
+            for lookup in self.lookups:
                 if lookup.op is op:
                     lookup.done = True
 
     def prefetched_range(self, req_id: str) -> tuple[int, int] | None:
         """Blocks [lo, hi) of the request that its own prefetch put into L2."""
-        lookup = self._lookups.get(req_id)
+        lookup = self.lookups.get(req_id)
         if lookup is None or lookup.op is None:
             return None
         op = lookup.op  # a same-step load counts its pages before they commit
@@ -789,7 +694,8 @@ class L3Planner:
         fetched = self.prefetched_range(req_id)
         if fetched is None:
             return None
-        lookup = self._lookups[req_id]
+        lookup = self.lookups.get(req_id)
+        assert lookup is not None, req_id
         hi = min(fetched[1], lookup.start + lookup.node_found[0])
         return (fetched[0], hi) if hi > fetched[0] else None
 
@@ -797,7 +703,7 @@ class L3Planner:
         """Seconds per stage (hit_stages.WAIT_STAGES) of the wait of a
         request admitted at ``admitted`` with a hit its own prefetch
         brought in; None if it had no prefetch."""
-        lookup = self._lookups.get(req_id)
+        lookup = self.lookups.get(req_id)
         if lookup is None or lookup.op is None:
             return None
         return wait_stages(lookup.times, admitted)
@@ -809,7 +715,7 @@ class L3Planner:
     def close(self) -> None:
         if self.health is not None:
             self.health.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.lookups.close()
         self.backend.close()
 
 

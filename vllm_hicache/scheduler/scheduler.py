@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Set
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_hicache.common.events import MEDIUM_L2, EventLog
@@ -46,13 +46,13 @@ from vllm_hicache.common.jobs import (
     merge_copies,
 )
 from vllm_hicache.common.node_counts import InstanceNodeCounts
-from vllm_hicache.common.page_ops import OpKind, PageOp, PageOps, PinnedRange
+from vllm_hicache.common.page_ops import OpKind, PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
 from vllm_hicache.common.stats import HiCacheStats, SchedulerReport, key, overlap_blocks
 from vllm_hicache.config import HiCacheConfig, LoadMode
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.metadata import HiCacheMetadata, HiCacheWorkerMetadata
-from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_block_id, l1_has_block
+from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_has_block
 from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import loadable_block_limit
@@ -78,7 +78,7 @@ from vllm_hicache.scheduler.request_params import (
 )
 from vllm_hicache.scheduler.request_state import Lookup, ReqState, track_scheduled
 from vllm_hicache.scheduler.store_planner import L2StorePlanner
-from vllm_hicache.scheduler.write_back import WriteBackCopy, WriteBackWatcher
+from vllm_hicache.scheduler.write_back import EvictionWriteBacks
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -168,9 +168,6 @@ class HiCacheScheduler:
         self._step_node_loads: list[NodeLoadJob] = []
         self._step_same_step: list[SameStepLoad] = []
         self._inflight = InflightLoads()
-        self._evict_copies: list[WriteBackCopy] = []
-        # STORE ops of the write-backs in _evict_copies, not yet emitted.
-        self._evict_ops: list[PageOp] = []
         self._block_pool: BlockPool | None = None
         # The engine's start line (connector.start_line) reports the sizes.
         # Models with a state group: which pages hold a usable state.
@@ -180,6 +177,8 @@ class HiCacheScheduler:
             WritePolicy(cfg.hicache_write_policy, hit_counter_slots(self.num_pages),
                         cfg.l2_admission(), self.block_size), self.stats,
             self.page_states, self.block_size, EventLog(False, self.block_size))
+        # Under write_back: the copies vLLM's L1 evictions ask for (write_back.py).
+        self.write_backs = EvictionWriteBacks(self.stores, self.stats, lambda: self._step)
         # hicache_load_decision (load_gate.py): its estimators.
         self.load_gate = LoadGate(cfg.hicache_load_decision, geom.bytes_per_block)
         # Node-tier hits loaded into L1 directly (node_hits.py).
@@ -468,9 +467,14 @@ class HiCacheScheduler:
         # Building step N acknowledges step N-1 (see page_ops.py).
         self.ops.close_step(self._step)
         track_scheduled(self._reqs, scheduler_output)
-        self._write_back_at_stop()
-        self._plan_write_backs()
-        evict, self._evict_copies, self._evict_ops = self._evict_copies, [], []
+        stop = self.graceful_stop
+        stop.poll(self.l3)
+        if stop.first_step() and self.l3 is not None:
+            # Under write-back, what only L1 holds goes to L2 in this step,
+            # then to L3 (graceful_stop.py).
+            stop.count_from_l1(self.write_backs.queue_l1_only())
+        self.write_backs.plan()
+        evict = self.write_backs.take()
         store_pairs = self.stores.advance(self._reqs, scheduler_output, self._step)
         meta = HiCacheMetadata(
             evict_stores=merge_copies([BlockPage(c.block_id, c.page) for c in evict]),
@@ -482,7 +486,6 @@ class HiCacheScheduler:
         )
         self._step_loads, self._step_async_loads, self._step_node_loads = [], [], []
         self._step_same_step = []
-        self.stats.record_store(len(evict))  # store_range counts its pages
         stored = self.stores.take_stored_ranges()
         if self.l3 is not None:
             self.l3.begin_step()  # the breaker's answer, for this step
@@ -666,43 +669,12 @@ class HiCacheScheduler:
         self._block_pool = block_pool
         self._groups.bind(block_pool)
         if self.cfg.hicache_write_policy == WritePolicyName.WRITE_BACK:
-            self.stores.write_back = WriteBackWatcher(
-                block_pool, 2 * block_pool.num_gpu_blocks, on_reset=self._plan_write_backs
-            )
-
-    def _plan_write_backs(self) -> None:
-        write_back = self.stores.write_back
-        if write_back is not None:
-            self._evict_copies += write_back.plan(
-                self.tree, self._alloc_write_back, self._pin_write_back)
-
-    def _write_back_at_stop(self) -> None:
-        """A graceful stop's first step: under write-back with an L3, what
-        only L1 holds goes to L2 in this step, then to L3 (graceful_stop.py)."""
-        stop = self.graceful_stop
-        stop.poll(self.l3)
-        write_back, pool = self.stores.write_back, self._block_pool
-        if stop.first_step() and write_back is not None and pool is not None \
-                and self.l3 is not None:
-            stop.count_from_l1(write_back.write_back_tracked(
-                lambda block_hash: l1_block_id(pool, block_hash)))
-
-    def _alloc_write_back(self, chain: Sequence[bytes], num_matched: int,
-                          num_pages: int) -> list[int] | None:
-        pages = self.stores.alloc_protecting(chain, num_matched, num_pages)
-        if pages is None:  # every page pinned: this block is simply not kept
-            self.stats.record_store_skipped(num_pages)
-        return pages
-
-    def _pin_write_back(self, chain: Sequence[bytes], page: int) -> None:
-        self._evict_ops.append(self.stores.insert_pinned(
-            OpKind.WRITE_BACK, chain, [len(chain) - 1], [page], self._step))
+            self.write_backs.watch(block_pool)
 
     def _on_l2_evict(self, hashes: list[bytes]) -> None:
         self.stats.record_evict(len(hashes))
         self.events.removed(MEDIUM_L2, hashes)
-        if self.stores.write_back is not None:
-            self.stores.write_back.forget(hashes)
+        self.write_backs.forget(hashes)
 
     def _awaits_io(self) -> bool:
         """Work only the workers or the L3 threads can finish: backups,
@@ -795,6 +767,5 @@ class HiCacheScheduler:
             self.l3.backups.release_l2()  # held pages must go with the rest
         self.events.removed(MEDIUM_L2, self.tree.clear())
         self.stores.write_policy.clear()
-        if self.stores.write_back is not None:
-            self.stores.write_back.clear_l2()
+        self.write_backs.clear_l2()
         return True

@@ -45,9 +45,11 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from vllm_hicache.connector.vllm_compat import watch_block_pool
+from vllm_hicache.common.page_ops import OpKind
+from vllm_hicache.common.stats import HiCacheStats
+from vllm_hicache.connector.vllm_compat import l1_block_id, watch_block_pool
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import block_hash_of_group_key
 
@@ -366,3 +368,99 @@ class WriteBackWatcher:
             self._untrack(block_hash)
             if block_hash not in self._in_l2:
                 del self._parent[block_hash]
+
+
+class StoresLike(Protocol):
+    """What EvictionWriteBacks uses of the scheduler's L2StorePlanner
+    (store_planner.py, which imports this module)."""
+
+    tree: HiRadixTree
+    write_back: WriteBackWatcher | None
+
+    def alloc_protecting(self, hashes: Sequence[bytes], num_matched: int,
+                         num_pages: int) -> list[int] | None: ...
+
+    def insert_pinned(self, kind: OpKind, chain: Sequence[bytes], blocks: list[int],
+                      pages: list[int], step: int) -> object: ...
+
+
+class EvictionWriteBacks:
+    """The scheduler half's side of write-back: the copies L1 evictions ask
+    for, from planning to the step that emits them.
+
+    Built by HiCacheScheduler, which calls, all on the engine thread:
+    ``watch`` from ``bind_gpu_block_pool`` under ``write_back`` only (it sets
+    ``stores.write_back``); ``queue_l1_only`` at a graceful stop's first step,
+    then ``plan`` and ``take`` from ``build_connector_meta``; ``forget`` from
+    the tree's L2 eviction callback; ``clear_l2`` from ``reset_cache``. The
+    watcher calls ``plan`` itself after vLLM's ``reset_prefix_cache``.
+    ``plan`` mutates the L2 tree (alloc, insert), the page ops (one pinned
+    WRITE_BACK op per copy, released with its step's acks) and the
+    skipped-store counter; ``take`` the store counter. With no watcher
+    (another policy) each call does nothing.
+    """
+
+    def __init__(self, stores: StoresLike, stats: HiCacheStats,
+                 current_step: Callable[[], int]) -> None:
+        self._stores = stores
+        self._stats = stats
+        # The step being scheduled: a write-back's pin ends with that step's acks.
+        self._current_step = current_step
+        self._block_pool: BlockPool | None = None
+        # Planned, their pages inserted and pinned, not yet emitted.
+        self._copies: list[WriteBackCopy] = []
+
+    def watch(self, block_pool: BlockPool) -> None:
+        """Record the blocks vLLM evicts from ``block_pool`` from now on."""
+        self._block_pool = block_pool
+        self._stores.write_back = WriteBackWatcher(
+            block_pool, 2 * block_pool.num_gpu_blocks, on_reset=self.plan)
+
+    def plan(self) -> None:
+        """Pages for the blocks evicted from L1 since the last plan; the
+        copies wait for ``take``."""
+        watcher = self._stores.write_back
+        if watcher is not None:
+            self._copies += watcher.plan(self._stores.tree, self._alloc, self._insert_pinned)
+
+    def queue_l1_only(self) -> int:
+        """A graceful stop with an L3: queue every tracked block still in L1
+        for the next ``plan``, so what only L1 holds reaches L2 in this step,
+        then L3 (graceful_stop.py). Returns the blocks queued."""
+        watcher, pool = self._stores.write_back, self._block_pool
+        if watcher is None or pool is None:
+            return 0
+        return watcher.write_back_tracked(lambda block_hash: l1_block_id(pool, block_hash))
+
+    def take(self) -> list[WriteBackCopy]:
+        """The copies planned since the last call (this step's
+        ``evict_stores``), counted as stored (``store_range`` counts its own)."""
+        copies, self._copies = self._copies, []
+        self._stats.record_store(len(copies))
+        return copies
+
+    def forget(self, hashes: Sequence[bytes]) -> None:
+        """L2 evicted these blocks: their links may go."""
+        watcher = self._stores.write_back
+        if watcher is not None:
+            watcher.forget(hashes)
+
+    def clear_l2(self) -> None:
+        """L2 was dropped. The copies already planned stay: their pages are
+        pinned until the workers acknowledge them."""
+        watcher = self._stores.write_back
+        if watcher is not None:
+            watcher.clear_l2()
+
+    def _alloc(self, chain: Sequence[bytes], num_matched: int,
+               num_pages: int) -> list[int] | None:
+        pages = self._stores.alloc_protecting(chain, num_matched, num_pages)
+        if pages is None:  # every page pinned: this block is simply not kept
+            self._stats.record_store_skipped(num_pages)
+        return pages
+
+    def _insert_pinned(self, chain: Sequence[bytes], page: int) -> None:
+        # Pinned at once (the op ledger releases it with the step's acks), so
+        # a later alloc of the same plan cannot take the page.
+        self._stores.insert_pinned(OpKind.WRITE_BACK, chain, [len(chain) - 1], [page],
+                                   self._current_step())
