@@ -80,6 +80,22 @@ def test_round_trip(make_pages, layout, secret, encrypt, monkeypatch):
     assert pages.invalid_objects == 0
 
 
+@pytest.mark.parametrize("staging_bytes", [1 << 20, 1])
+def test_staged_reads_reuse_their_staging(make_pages, monkeypatch, staging_bytes):
+    """layer_first reads are staged: one thread's reads reuse its staging
+    memory (a read must not see an earlier read's bytes, or scatter from the
+    wrong place), and a read bigger than STAGING_BYTES stages through fresh
+    memory."""
+    monkeypatch.setattr(pages_module, "STAGING_BYTES", staging_bytes)
+    pages = make_pages(layout="layer_first")
+    assert pages.write(HASHES[:3], [0, 1, 2]) == [True] * 3
+    assert read_back(pages, [0, 1, 2], [4, 5, 6]) == 3
+    assert read_back(pages, [1, 2], [6, 7], first=1) == 2  # a smaller read after it
+    # The fourth object is missing: the leading three are read, page 7 is untouched.
+    assert read_back(pages, [0, 1, 2, 3], [4, 5, 6, 7]) == 3
+    assert not pages.pool.read_pages([7]).any()
+
+
 @pytest.mark.parametrize("encrypt", [False, True])
 @pytest.mark.parametrize("forger", ["no secret", "other secret"])
 def test_forged_objects_are_misses(make_pages, encrypt, forger, caplog):

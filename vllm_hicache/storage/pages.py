@@ -69,6 +69,9 @@ logger = logging.getLogger(__name__)
 # Most scratch bytes one thread holds for the encrypting codec (one backend
 # call's worth; a bigger batch is cut into several calls).
 SCRATCH_BYTES = 64 << 20
+# Most bytes of staged read payloads (layer_first, head slices) one thread
+# keeps for its next read; a bigger read stages through fresh memory.
+STAGING_BYTES = 64 << 20
 # Appended to an object's key to form the key it is sealed under, for stores
 # with ``page_states`` (see the module doc).
 _STATE_SUFFIX = {True: "#state", False: "#no-state"}
@@ -178,7 +181,7 @@ class PageStore:
         ``states`` (stores with ``page_states``) gets, per page read, whether
         its state part is valid."""
         keys = self.keys(hashes)
-        payloads = self._read_targets(pages)
+        payloads, staged = self._read_targets(pages)
         object_states: list[bool] = []
         good = 0
         for lo, hi in self._chunks(len(keys)):
@@ -193,7 +196,7 @@ class PageStore:
             n = self._per_page  # a page's state is valid if all its objects say so
             states += [all(object_states[i * n:(i + 1) * n]) for i in range(good_pages)]
         if not self._zero_copy and good_pages:
-            self._scatter(pages[:good_pages], payloads[:good_pages * self._per_page])
+            self._scatter(pages[:good_pages], payloads[:good_pages * self._per_page], staged)
         return good_pages
 
     def take_check_seconds(self) -> float:
@@ -310,13 +313,27 @@ class PageStore:
         size, whole = self.pool.bytes_per_page, self._pool_bytes
         return [whole[p * size:(p + 1) * size] for p in pages]
 
-    def _read_targets(self, pages: Sequence[int]) -> list[np.ndarray]:
+    def _read_targets(self, pages: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """One buffer per object to read into, and (staged layouts) the one
+        flat buffer they are consecutive slices of."""
         if self._zero_copy:
             # Zero copy means a failed read may leave garbage in the page;
             # harmless: the page is not indexed unless the read verified.
-            return self._page_views(pages)
-        return [np.empty(self.payload_bytes, np.uint8)
-                for _ in range(len(pages) * self._per_page)]
+            return self._page_views(pages), None
+        size = self.payload_bytes
+        count = len(pages) * self._per_page
+        flat = self._staging(count * size)
+        return [flat[i * size:(i + 1) * size] for i in range(count)], flat
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of this thread's staging memory, kept between reads up
+        to ``STAGING_BYTES`` (fresh memory is page-faulted on every read)."""
+        if nbytes > STAGING_BYTES:
+            return np.empty(nbytes, np.uint8)
+        flat = getattr(self._scratch, "staging", None)
+        if flat is None or flat.nbytes < nbytes:
+            flat = self._scratch.staging = np.empty(nbytes, np.uint8)
+        return flat[:nbytes]
 
     def _slices(self, page: int) -> list[torch.Tensor]:
         """Views of ``page``'s head slices, in payload order."""
@@ -324,14 +341,16 @@ class PageStore:
         return [layout.head_slice(self.pool.buffer, page, j * heads, heads)
                 for j in range(self._per_page)]
 
-    def _scatter(self, pages: Sequence[int], payloads: list[np.ndarray]) -> None:
+    def _scatter(self, pages: Sequence[int], payloads: list[np.ndarray],
+                 staged: np.ndarray | None) -> None:
+        """Copy staged payloads into their pages (``staged``: the flat buffer
+        the payloads are consecutive slices of)."""
         if self._per_page > 1:
             views = [view for p in pages for view in self._slices(p)]
             for view, payload in zip(views, payloads):
                 view.copy_(torch.from_numpy(payload).view(self.pool.dtype).view(view.shape))
             return
-        shape = self.pool.canonical_page_shape
-        data = torch.stack([
-            torch.from_numpy(p).view(self.pool.dtype).view(shape) for p in payloads
-        ])
-        self.pool.write_pages(list(pages), data)
+        assert staged is not None
+        # The pages' payloads side by side already: one copy into the pool.
+        data = torch.from_numpy(staged[:len(pages) * self.payload_bytes]).view(self.pool.dtype)
+        self.pool.write_pages(list(pages), data.view(len(pages), *self.pool.canonical_page_shape))
