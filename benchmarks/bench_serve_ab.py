@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,6 +53,11 @@ def parse_args() -> argparse.Namespace:
                         "medium from the code); repeatable")
     p.add_argument("--core", type=int, default=-1,
                    help="the servers' compute core (default: as bench_serve.py chooses)")
+    p.add_argument("--settle", action="append", default=[], metavar="[TREE=]SECONDS",
+                   help="after emptying a server's caches, sync the file systems and wait "
+                        "this long before its run, so that the work an L3 clear leaves to "
+                        "the disk ends before the measurement: every server, or TREE's "
+                        "(repeatable; TREE= overrides the plain value)")
     return p.parse_args()
 
 
@@ -66,6 +72,23 @@ def source_tree(name: str, where: str, out: Path) -> Path:
                              check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return tree
+
+
+def settle_of(values: list[str], servers: list[str]) -> dict[str, float]:
+    """``--settle`` arguments as seconds per server (``TREE=S`` applies to
+    TREE's servers, a plain ``S`` to every server without one)."""
+    default, by_tree = 0.0, {}
+    for value in values:
+        tree, _, seconds = value.rpartition("=")
+        try:
+            number = float(seconds)
+        except ValueError:
+            raise SystemExit(f"bad --settle {value!r}: [TREE=]SECONDS") from None
+        if tree:
+            by_tree[tree] = number
+        else:
+            default = number
+    return {name: by_tree.get(name.split(":")[0], default) for name in servers}
 
 
 def l3_root_of(pairs: list[str], trees: dict[str, Path]) -> dict[str, Path]:
@@ -101,9 +124,13 @@ def start(name: str, tree: Path | None, system: str, plan, core: int, out: Path,
     return server
 
 
-def run_once(server: Server, system_name: str, bench, label: str, out: Path) -> dict:
+def run_once(server: Server, system_name: str, bench, label: str, out: Path,
+             settle_s: float = 0.0) -> dict:
     system = next(s for s in bs.SYSTEMS if s.name == system_name)
     bs.fresh_caches(server)
+    if settle_s > 0:
+        os.sync()
+        time.sleep(settle_s)
     before = prom.parse(server.metrics())
     cpu_before = cputime.snapshot(server.proc.pid)
     result = bs.run_bench(server, system, bench, label, out)
@@ -175,6 +202,7 @@ def main() -> int:
     servers = {name: start(name, trees.get(name.split(":")[0]), system, plan, core, args.out,
                            args.model, l3_roots.get(name.split(":")[0]))
                for name, system in system_of.items()}
+    settle = settle_of(args.settle, list(servers))
     results: dict = {}
     try:
         for server in servers.values():
@@ -187,7 +215,8 @@ def main() -> int:
                 turn += 1
                 for name in order:
                     run = run_once(servers[name], system_of[name], benches[workload],
-                                   f"{name.replace(':', '-')}-{workload}-{rep}", args.out)
+                                   f"{name.replace(':', '-')}-{workload}-{rep}", args.out,
+                                   settle[name])
                     results.setdefault(workload, {}).setdefault(name, []).append(run)
                     print(f"{workload} #{rep} {name}: {run['req_s']:.3f} req/s", flush=True)
                     (args.out / "ab.json").write_text(json.dumps(results, indent=1))
