@@ -26,11 +26,11 @@ best_effort, for later requests.
 
 A lookup the request would wait for is given a moment to answer in the
 same schedule pass (``must_wait``): each step may spend at most
-``LOOKUP_WAIT_PER_STEP_S`` (l3/lookups.py) in total waiting on lookups. A store that answers
-in that time (a local file system, a warm cache) saves the request a whole
-step: a miss is admitted at once instead of one step later, and a hit's
-prefetch leaves with this step's metadata. A slower store costs each step at
-most the budget, and the request simply waits, as before.
+``LOOKUP_WAIT_PER_STEP_S`` (l3/lookups.py) in total waiting on lookups. A
+store that answers in that time (a local file system, a warm cache) saves
+the request a whole step: a miss is admitted at once instead of one step
+later, and a hit's prefetch leaves with this step's metadata. A slower store
+costs each step at most the budget, and the request simply waits, as before.
 
 The circuit breaker (``health``, l3/health_check.py): its answer is read
 once per step (``begin_step``) and holds for what that step sends the
