@@ -293,10 +293,17 @@ class PageStore:
         size = self._scratch_bytes
         if not size:
             return [None] * count
-        arena = getattr(self._scratch, "arena", None)
-        if arena is None or arena.nbytes < count * size:
-            arena = self._scratch.arena = np.empty(count * size, np.uint8)
+        arena = self._kept("arena", count * size)
         return [arena[i * size:(i + 1) * size] for i in range(count)]
+
+    def _kept(self, name: str, nbytes: int) -> np.ndarray:
+        """``nbytes`` of this thread's buffer ``name``, kept for its next
+        call (grown when short)."""
+        flat = getattr(self._scratch, name, None)
+        if flat is None or flat.nbytes < nbytes:
+            flat = np.empty(nbytes, np.uint8)
+            setattr(self._scratch, name, flat)
+        return flat[:nbytes]
 
     # --- payload buffers ---------------------------------------------------
 
@@ -330,10 +337,7 @@ class PageStore:
         to ``STAGING_BYTES`` (fresh memory is page-faulted on every read)."""
         if nbytes > STAGING_BYTES:
             return np.empty(nbytes, np.uint8)
-        flat = getattr(self._scratch, "staging", None)
-        if flat is None or flat.nbytes < nbytes:
-            flat = self._scratch.staging = np.empty(nbytes, np.uint8)
-        return flat[:nbytes]
+        return self._kept("staging", nbytes)
 
     def _slices(self, page: int) -> list[torch.Tensor]:
         """Views of ``page``'s head slices, in payload order."""
