@@ -69,6 +69,10 @@ BLOCK = 32
 MODEL_VERSION = "pd-test-weights"
 BACKUP_WAIT_S = 30.0
 ROUTER_START_S = 60.0
+# A conversation's first request through the router holds prefill's first
+# forward and decode's NIXL handshake with prefill: 31 s on an idle 2-core
+# machine, past 60 s (test_serve's REQUEST_TIMEOUT_S) on a loaded CI one.
+ROUTER_REQUEST_TIMEOUT_S = 300.0
 # Four servers start together on two shared cores (about a minute when idle):
 # on a loaded CI machine they can need much longer than one server alone.
 SERVER_START_S = 600.0
@@ -183,7 +187,8 @@ class Router:
             argv[argv.index(flag) + 1] = value
         # Its Prometheus exporter listens too (by default on one fixed port).
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]
-        self.client = Server("router", [], log_path, 0, port)
+        self.client = Server("router", [], log_path, 0, port,
+                             request_timeout_s=ROUTER_REQUEST_TIMEOUT_S)
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,

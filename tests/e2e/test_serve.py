@@ -139,6 +139,7 @@ class Server:
     core: int | str  # a CPU, or another VLLM_CPU_OMP_THREADS_BIND ("nobind": several engines)
     port: int
     proc: subprocess.Popen | None = None
+    request_timeout_s: float = REQUEST_TIMEOUT_S
 
     @property
     def url(self) -> str:
@@ -195,7 +196,7 @@ class Server:
         req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         try:
-            with _no_proxy_opener().open(req, timeout=REQUEST_TIMEOUT_S) as resp:
+            with _no_proxy_opener().open(req, timeout=self.request_timeout_s) as resp:
                 out = json.loads(resp.read())
         except (OSError, ValueError) as err:  # URLError and HTTPError are OSErrors
             pytest.fail(f"{self.name} server: completion failed: {err!r}\n{self.log_tail()}")
