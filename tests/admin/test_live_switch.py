@@ -34,7 +34,7 @@ from vllm_hicache.common.stats import WorkerCounters
 from vllm_hicache.l3 import lookups as lookups_module
 from vllm_hicache.l3.attach_worker import RankL3
 from vllm_hicache.l3.backfill import Backfill
-from vllm_hicache.l3.planner import GENERATION_SHIFT
+from vllm_hicache.l3.prefetch_ops import GENERATION_SHIFT
 
 
 def keys_of(h, req_id: str, planner) -> list[str]:
@@ -197,7 +197,7 @@ def test_late_prefetch_of_the_old_backend_never_reaches_the_new_one(tiny_model_d
         for _ in range(5):
             h.step(complete_async=False)
         assert "b" not in h.first_computed  # waiting for its prefetch
-        old_ops = set(old._ops)
+        old_ops = {op.op_id for op in old.prefetches}
         assert old_ops and all(op < 1 << GENERATION_SHIFT for op in old_ops)
         status, body = settle(h, control(h).submit("attach", mem_spec(new_name)),
                               complete_async=False)
@@ -213,9 +213,9 @@ def test_late_prefetch_of_the_old_backend_never_reaches_the_new_one(tiny_model_d
     del mem_backend.GATES[old.backend.store_name]
     h.run()
     until_retired(h)
-    assert not old._ops and old.prefetch_started == 1
+    assert not old.prefetches.num_open() and old.prefetch_started == 1
     new = h.sched_half.l3
-    assert all(op >> GENERATION_SHIFT == 1 for op in new._ops)
+    assert all(op.op_id >> GENERATION_SHIFT == 1 for op in new.prefetches)
     forget_l1_and_l2(h)
     h.add("b2", tokens)
     h.run()

@@ -13,7 +13,8 @@ from vllm_hicache.common.page_ops import PageOps
 from vllm_hicache.common.page_states import PageStates
 from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
 from vllm_hicache.index import HiRadixTree
-from vllm_hicache.l3.planner import L3Planner, PlannerContext, _Op
+from vllm_hicache.l3.planner import L3Planner, PlannerContext
+from vllm_hicache.l3.prefetch_ops import PrefetchOp
 from vllm_hicache.policy.eviction import make_eviction_policy
 from vllm_hicache.storage import StorageContext
 
@@ -30,7 +31,7 @@ def test_prefetched_pages_are_valid_only_where_every_rank_says_so():
     planner = L3Planner(storage, backend, [], 16, world_size=2, max_inflight_pages=8,
                         ctx=PlannerContext(tree, ops), page_states=states)
     pages = tree.alloc(4)
-    planner._ops[7] = _Op(7, CHAIN, 0, list(pages))
+    planner.prefetches._ops[7] = PrefetchOp(7, CHAIN, 0, list(pages))
 
     def report(rank, done, finished, valid):
         meta = HiCacheWorkerMetadata(

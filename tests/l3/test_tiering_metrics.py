@@ -48,7 +48,7 @@ def test_exclusive_counts_victims_written_declined_and_promoted():
     # a[3:] left L2 unwritten: declined by the rule at eviction, not at store.
     assert samples[key("admission_declined_blocks", "L3", "hits")] == 3
     assert samples[key("l3_exclusive_blocks", "promoted")] == 0
-    rig.planner.prefetched_blocks += 2  # what _advance adds as a prefetch lands
+    rig.planner.prefetches.prefetched_blocks += 2  # what a landing prefetch adds
     assert planner_samples(rig.planner)[key("l3_exclusive_blocks", "promoted")] == 2
 
 

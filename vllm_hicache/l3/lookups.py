@@ -16,8 +16,9 @@ total waiting for answers (``await_answer``): a store that answers in that
 time saves the request a step; a slower one costs each step at most that.
 
 What a lookup leads to (a prefetch op, whether its request waits) is the
-planner's business (l3/planner.py): it sets ``op``, ``done``, ``timed_out``
-on the records it gets from here. No torch, no vLLM.
+planner's business (l3/planner.py, its ops l3/prefetch_ops.py): they set
+``op``, ``done``, ``timed_out`` on the records they get from here. No
+torch, no vLLM.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class L3Lookup:
     deadline: float
     future: Future[int]        # the store's hit count for chain[start:]
     times: HitTimes            # for the request's hit stages (hit_stages.py)
-    # The planner's prefetch op for this lookup (l3/planner.py ``_Op``).
+    # The prefetch op for this lookup (l3/prefetch_ops.py ``PrefetchOp``; Any:
+    # that module imports this one).
     op: Any = None
     done: bool = False         # nothing (more) to wait for
     timed_out: bool = False    # counted as prefetches{event=timed_out}

@@ -7,9 +7,8 @@ decides what they lead to). Prefetch: in ``build_connector_meta`` a finished
 lookup whose hit passes ``prefetch_threshold`` (a fixed number of tokens,
 or under ``auto`` the load decision's cost model: ``LoadGate``) gets host
 pages (bounded by the in-flight cap) and becomes a PrefetchJob for the
-workers.
-As every rank reports progress, the pages all ranks have verified are
-inserted into the tree: from then on they are ordinary L2 hits. Backup
+workers; its op (l3/prefetch_ops.py) inserts the pages all ranks have
+verified into the tree as they report: ordinary L2 hits from then on. Backup
 (l3/backups.py; the planner owns it as ``backups``, which callers use directly):
 pages stored to L2 in a step are written to L3 by the workers after the
 store; a BACKUP op (page_ops.py) pins them until every rank has acknowledged.
@@ -52,21 +51,14 @@ Admission, exclusive mode, the backlog and write budgets: l3/backups.py.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
-from vllm_hicache.common.events import MEDIUM_L2, MEDIUM_L3, EventLog
-from vllm_hicache.common.jobs import (
-    BackupJob,
-    BlockCopy,
-    PrefetchJob,
-    PrefetchProgress,
-    SameStepLoad,
-)
+from vllm_hicache.common.events import MEDIUM_L3, EventLog
+from vllm_hicache.common.jobs import BackupJob, BlockCopy, PrefetchJob, SameStepLoad
 from vllm_hicache.common.page_ops import PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
 from vllm_hicache.connector.metadata import HiCacheWorkerMetadata
@@ -76,9 +68,9 @@ from vllm_hicache.l3.backups import L3Backups, PickL2Only
 from vllm_hicache.l3.breaker import STATE_GAUGE, BreakerState
 from vllm_hicache.l3.canary import is_canary_key
 from vllm_hicache.l3.health_check import L3Health
-from vllm_hicache.l3.hit_stages import HitTimes, wait_stages
 from vllm_hicache.l3.lookups import L3Lookup, L3Lookups
 from vllm_hicache.l3.node_events import NodeTierEvents
+from vllm_hicache.l3.prefetch_ops import Alloc, PrefetchOps, allocator
 from vllm_hicache.l3.removals import RemovedKeys
 from vllm_hicache.l3.report_wait import step_budget_s
 from vllm_hicache.policy.admission import ALWAYS, AdmissionRule, L3Mode
@@ -96,12 +88,6 @@ from vllm_hicache.storage_config import StorageConfig
 
 logger = logging.getLogger(__name__)
 
-# Blocks a probe (a prefetch nobody waits for, to measure L3) reads, at most.
-PROBE_BLOCKS = 64
-# Prefetch op ids of backend generation g start at g << this (set_generation):
-# a late report of a replaced backend's op never names an op of its successor.
-GENERATION_SHIFT = 40
-
 
 class LoadGateLike(Protocol):
     """What the planner asks the scheduler half's LoadGate (scheduler/load_gate.py)."""
@@ -113,18 +99,6 @@ class LoadGateLike(Protocol):
     def record(self, tier: str, loaded: bool, num_tokens: int) -> None: ...
 
     def observe_l3_latency(self, seconds: float) -> None: ...
-
-
-# Allocates ``num`` L2 pages for blocks [matched, matched + num) of a chain,
-# never evicting a pinned page; None when every page is pinned.
-Alloc = Callable[[Sequence[bytes], int, int], "list[int] | None"]
-
-
-def _allocator(alloc: Alloc | None) -> Alloc:
-    """The context's allocator, where a prefetch needs pages."""
-    if alloc is None:
-        raise RuntimeError("the L3 planner's context has no page allocator: it cannot prefetch")
-    return alloc
 
 
 @dataclass
@@ -142,25 +116,6 @@ class PlannerContext:
     # The scheduler half can admit an L3 hit in the step its read is sent
     # (l3/same_step.py: synchronous loads, one KV cache group).
     same_step: bool = False
-
-
-@dataclass(slots=True)
-class _Op:
-    op_id: int
-    chain: tuple[bytes, ...]   # hashes of blocks 0 .. start + len(pages)
-    start: int                 # first block the op fills
-    pages: list[int]
-    committed: int = 0
-    progress: dict[int, PrefetchProgress] = field(default_factory=dict)
-    # Its lookup's points in time (hit_stages.py); None for a probe.
-    times: HitTimes | None = None
-    # A request waits for it (l3/report_wait.py): until must_wait lets it go.
-    waited: bool = False
-    # Started in this schedule pass for same-step admission (l3/same_step.py),
-    # its job not yet planned; and how many of its pages a request admitted
-    # in that step loads.
-    unsent: bool = False
-    same_step: int = 0
 
 
 class L3Planner:
@@ -193,28 +148,19 @@ class L3Planner:
             cfg.prefetch_timeout_max)
         # The store's lookups of arriving requests (l3/lookups.py).
         self.lookups = L3Lookups(backend, namespaces)
-        self._ops: dict[int, _Op] = {}
-        self._inflight_pages = 0
-        self._op_ids = itertools.count()
-        # The backend generation this planner's jobs belong to (an admin
-        # replace makes a new one; jobs.py).
-        self.generation = 0
-        # Prefetches started in this pass for same-step admission (must_wait),
-        # sent with this step's metadata (plan_prefetches).
-        self._same_step_jobs: list[tuple[_Op, PrefetchJob]] = []
+        # Exact L3 removals: keys back to block hashes, and blocks announced.
+        self.removals = RemovedKeys(namespaces, skip=is_canary_key)
+        # Prefetch ops sent and not yet finished (l3/prefetch_ops.py).
+        self.prefetches = PrefetchOps(self.lookups, self.removals, backend.name, world_size,
+                                      max_inflight_pages, page_states)
         self.same_step_admitted = 0
-        self.prefetched_blocks = 0
         self.skipped_lookups = 0
         # For metrics (stats.planner_samples).
-        self.prefetch_started = 0
         self.prefetch_revoked = 0
-        self.prefetch_incomplete = 0
         self.prefetch_timed_out = 0
         # Hits prefetch_threshold=auto left to vLLM: the cost model expected
         # computing them to be faster.
         self.prefetch_not_worth = 0
-        # Exact L3 removals: keys back to block hashes, and blocks announced.
-        self.removals = RemovedKeys(namespaces, skip=is_canary_key)
         self.mode = mode
         self.backups = L3Backups(ctx, backend, self.removals, block_size, world_size,
                                  max_inflight_pages, max_backup_pages, page_states, admission,
@@ -232,6 +178,24 @@ class L3Planner:
     @property
     def lookup_errors(self) -> int:
         return self.lookups.errors
+
+    @property
+    def generation(self) -> int:
+        """The backend generation this planner's jobs belong to (an admin
+        replace makes a new one; jobs.py)."""
+        return self.prefetches.generation
+
+    @property
+    def prefetch_started(self) -> int:
+        return self.prefetches.started
+
+    @property
+    def prefetched_blocks(self) -> int:
+        return self.prefetches.prefetched_blocks
+
+    @property
+    def prefetch_incomplete(self) -> int:
+        return self.prefetches.incomplete
 
     @property
     def write_budget(self) -> WriteBudget:
@@ -370,8 +334,7 @@ class L3Planner:
         job = self._start_op(lookup, ctx.tree, ctx.alloc, ctx.gate, resident)
         if job is None or lookup.op is None:
             return False
-        lookup.op.unsent = True
-        self._same_step_jobs.append((lookup.op, job))
+        self.prefetches.hold(lookup.op, job)
         return True
 
     def same_step_pages(self, req_id: str, block: int | None = None) -> list[int]:
@@ -414,11 +377,7 @@ class L3Planner:
         self.lookups.new_pass()
         # Started in the pass (same-step), whatever the breaker says now: their
         # pages are allocated and a load may wait on them.
-        jobs = [job for _, job in self._same_step_jobs]
-        for op, _ in self._same_step_jobs:
-            op.unsent = False
-        self._same_step_jobs = []
-        return jobs + self._plan_finished_lookups()
+        return self.prefetches.take_unsent() + self._plan_finished_lookups()
 
     def _plan_finished_lookups(self) -> list[PrefetchJob]:
         if not self.lookups.has_finished():
@@ -439,7 +398,7 @@ class L3Planner:
                     hit = self.lookups.hit(lookup)
                     self._count_declined(gate, hit)  # it computed them instead
                     if gate.wants_l3_sample():
-                        jobs += self._probe(lookup, hit, tree, alloc)
+                        jobs += self.prefetches.probe(lookup, hit, tree, alloc)
                 continue  # its request is gone
             if lookup.op is None and not lookup.done:
                 job = self._start_op(lookup, tree, alloc, gate)
@@ -461,8 +420,9 @@ class L3Planner:
         if lookup.nowait and gate is not None:
             self._count_declined(gate, end - lookup.start)  # what L3 found, now in L2 or not
             if gate.wants_l3_sample():
-                return next(iter(self._probe(lookup, end - lookup.start, tree, alloc)), None)
-        room = self.max_inflight_pages - self._inflight_pages
+                return next(iter(self.prefetches.probe(lookup, end - lookup.start, tree, alloc)),
+                            None)
+        room = self.prefetches.room_pages
         num = min(end - start, room)
         if num < self.threshold_blocks:
             if end - start >= self.threshold_blocks:
@@ -471,47 +431,20 @@ class L3Planner:
         if not self._worth_fetching(gate, start, num):
             self.prefetch_not_worth += 1
             return None
-        pages = _allocator(alloc)(lookup.chain, len(matched), num)
+        pages = allocator(alloc)(lookup.chain, len(matched), num)
         if pages is None:
             self.prefetch_revoked += 1  # every page pinned
             return None
         if gate is not None and self.prefetch_policy.ever_waits and not lookup.nowait:
             gate.record("L3", True, num * self.block_size)
-        op = _Op(next(self._op_ids), lookup.chain[: start + num], start, pages,
-                 times=lookup.times,
-                 waited=self.prefetch_policy.ever_waits and not lookup.nowait)
-        lookup.times.planned = time.monotonic()
-        self._ops[op.op_id] = op
-        self.prefetch_started += 1
-        self._inflight_pages += num
-        self.removals.note(op.chain[start:])
-        lookup.op, lookup.done = op, False
-        return PrefetchJob(op.op_id, op.chain[start:], tuple(pages), self.generation)
+        return self.prefetches.start(lookup, start, pages,
+                                     waited=self.prefetch_policy.ever_waits and not lookup.nowait)
 
     def report_wait_s(self) -> float:
         """How long the workers may wait for open prefetches before this
         step's report (l3/report_wait.py): only while a request waits for one."""
         waits = self._usable and self.prefetch_policy.ever_waits  # else must_wait says no
-        return step_budget_s(waits and any(op.waited for op in self._ops.values()))
-
-    def _probe(self, lookup: L3Lookup, hit: int, tree: HiRadixTree,
-               alloc: Alloc | None) -> list[PrefetchJob]:
-        """Read (part of) a declined hit nobody waits for, blocks already in
-        L2 included, to measure L3 again: the only way a tier whose hits are
-        all declined can show it got faster. Pages of blocks L2 already has
-        are freed as the prefetch commits (``_advance``)."""
-        num = min(hit, PROBE_BLOCKS, self.max_inflight_pages - self._inflight_pages)
-        if num <= 0:
-            return []
-        chain = lookup.chain[: lookup.start + num]
-        pages = _allocator(alloc)(chain, len(tree.match(chain).pages), num)
-        if pages is None:
-            return []
-        op = _Op(next(self._op_ids), chain, lookup.start, pages)
-        self._ops[op.op_id] = op
-        self.prefetch_started += 1
-        self._inflight_pages += num
-        return [PrefetchJob(op.op_id, chain[lookup.start :], tuple(pages), self.generation)]
+        return step_budget_s(waits and any(op.waited for op in self.prefetches))
 
     def _count_declined(self, gate: LoadGateLike, num_blocks: int) -> None:
         """A declined lookup found ``num_blocks`` blocks its request computes instead."""
@@ -546,37 +479,31 @@ class L3Planner:
     def in_flight(self) -> dict[str, int]:
         """Work that still uses the backend: open backups and prefetches,
         lookups queued or running."""
-        return {"backups": self.backups.num_open(), "prefetches": len(self._ops),
+        return {"backups": self.backups.num_open(), "prefetches": self.prefetches.num_open(),
                 "lookups": self.lookups.num_pending}
 
     def set_generation(self, generation: int) -> None:
         """Tag this planner's jobs and prefetch op ids with ``generation``;
         before it plans anything."""
-        if self._ops or self.backups.num_open():
+        if self.prefetches.num_open() or self.backups.num_open():
             raise RuntimeError("set_generation after ops were planned")
-        self.generation = self.backups.generation = generation
-        self._op_ids = itertools.count(generation << GENERATION_SHIFT)
+        self.prefetches.set_generation(generation)
+        self.backups.generation = generation
 
     def stop_lookups(self) -> None:
         """A replace or detach: no request waits on this planner any more
         (its successor, or none, answers must_wait); lookups not yet run are
         cancelled. Open ops still complete as their reports arrive."""
         self.lookups.stop()
-        for op in self._ops.values():
+        for op in self.prefetches:
             op.waited = False
         # Same-step prefetches this pass started are never sent now: the
         # loads that wait on them find no read (recomputed).
-        tree = self._context().tree if self.ctx is not None else None
-        for op, _ in self._same_step_jobs:
-            self._ops.pop(op.op_id, None)
-            self._inflight_pages -= len(op.pages)
-            if tree is not None:
-                tree.free(op.pages)
-        self._same_step_jobs = []
+        self.prefetches.abort_unsent(self._context().tree if self.ctx is not None else None)
 
     def is_idle(self) -> bool:
         """No prefetch or backup open (lookups aside)."""
-        return not self._ops and not self.backups.num_open()
+        return not self.prefetches.num_open() and not self.backups.num_open()
 
     def update_policy(self, cfg: StorageConfig) -> None:
         """New prefetch policy and knobs for the same backend and options;
@@ -592,32 +519,19 @@ class L3Planner:
     def awaits_io(self) -> bool:
         """Lookups still running, prefetches not yet acknowledged, or
         deferred backups to catch up on."""
-        return bool(self._ops) or self.lookups.num_pending > 0 or len(self.backups.backlog) > 0
+        return (self.prefetches.num_open() > 0 or self.lookups.num_pending > 0
+                or len(self.backups.backlog) > 0)
 
     def prefetch_pages(self) -> set[int]:
         """Pages open prefetches hold outside the tree (not yet committed)."""
-        return {p for op in self._ops.values() for p in op.pages[op.committed:]}
+        return self.prefetches.uncommitted_pages()
 
     # --- completions -------------------------------------------------------
 
     def on_worker_meta(self, meta: HiCacheWorkerMetadata) -> None:
         ctx = self._context()
         tree, ops, events = ctx.tree, ctx.ops, ctx.events
-        for op_id, timing_by_rank in meta.prefetch_timing.items():
-            op = self._ops.get(op_id)
-            if op is not None and op.times is not None:
-                for timing in timing_by_rank.values():
-                    op.times.add_timing(timing)
-        for op_id, by_rank in meta.prefetch.items():
-            op = self._ops.get(op_id)
-            if op is not None:
-                for rank, p in by_rank.items():
-                    # Never backwards: a rank's count, end and states only grow.
-                    prev = op.progress.get(rank, PrefetchProgress(0, False))
-                    op.progress[rank] = PrefetchProgress(
-                        max(p.done, prev.done), p.finished or prev.finished,
-                        p.state_pages | prev.state_pages)
-                self._advance(op, tree, events)
+        self.prefetches.on_worker_meta(meta, tree, events)
         self.backups.on_reports(meta.backup_failures, meta.backups, ops, events)
         if meta.l3_removed_keys:  # after the acks: a removal is the later word
             self._announce_removed(meta.l3_removed_keys, events)
@@ -638,75 +552,17 @@ class L3Planner:
         if events is not None:
             events.removed(MEDIUM_L3, hashes, self.backend.name)
 
-    def _advance(self, op: _Op, tree: HiRadixTree, events: EventLog | None = None) -> None:
-        if len(op.progress) < self.world_size:
-            return
-        finished = all(p.finished for p in op.progress.values())
-        if finished and op.times is not None:
-            op.times.seen = time.monotonic()
-        done = min(p.done for p in op.progress.values())
-        if done > op.committed:
-            if self.page_states is not None:
-                # Valid only where every rank's object said so.
-                valid = frozenset.intersection(*(p.state_pages for p in op.progress.values()))
-                self.page_states.mark(op.pages[op.committed : done],
-                                      [i in valid for i in range(op.committed, done)])
-            new = [None] * (op.start + op.committed) + op.pages[op.committed : done]
-            chain = op.chain[: op.start + done]
-            unused = tree.insert(chain, new)
-            if unused:
-                tree.free(unused)  # the tree got those blocks another way
-            if events is not None and events.enabled:
-                events.stored(MEDIUM_L2, chain, _placed(tree, chain, new, op.start + op.committed,
-                                                        bool(unused)))
-            self.prefetched_blocks += done - op.committed
-            op.committed = done
-        if finished:
-            if op.times is not None:
-                op.times.committed = time.monotonic()
-            leftover = op.pages[op.committed :]
-            if leftover:
-                tree.free(leftover)
-                self.prefetch_incomplete += 1
-                if events is not None:
-                    # Found by the lookup, then missing or invalid: not
-                    # reachable by prefix from here.
-                    events.removed(MEDIUM_L3, op.chain[op.start + op.committed :],
-                                   self.backend.name)
-            self._inflight_pages -= len(op.pages)
-            del self._ops[op.op_id]
-            for lookup in self.lookups:
-                if lookup.op is op:
-                    lookup.done = True
-
     def prefetched_range(self, req_id: str) -> tuple[int, int] | None:
         """Blocks [lo, hi) of the request that its own prefetch put into L2."""
-        lookup = self.lookups.get(req_id)
-        if lookup is None or lookup.op is None:
-            return None
-        op = lookup.op  # a same-step load counts its pages before they commit
-        return op.start, op.start + max(op.committed, op.same_step)
+        return self.prefetches.prefetched_range(req_id)
 
     def node_range(self, req_id: str) -> tuple[int, int] | None:
-        """Blocks [lo, hi) of the request that its own prefetch put into L2
-        and its lookup had found in the node tier (a page evicted between
-        the two was read from the remote store: still counted here)."""
-        fetched = self.prefetched_range(req_id)
-        if fetched is None:
-            return None
-        lookup = self.lookups.get(req_id)
-        assert lookup is not None, req_id
-        hi = min(fetched[1], lookup.start + lookup.node_found[0])
-        return (fetched[0], hi) if hi > fetched[0] else None
+        """Of those, the blocks its lookup had found in the node tier."""
+        return self.prefetches.node_range(req_id)
 
     def hit_stages(self, req_id: str, admitted: float) -> dict[str, float] | None:
-        """Seconds per stage (hit_stages.WAIT_STAGES) of the wait of a
-        request admitted at ``admitted`` with a hit its own prefetch
-        brought in; None if it had no prefetch."""
-        lookup = self.lookups.get(req_id)
-        if lookup is None or lookup.op is None:
-            return None
-        return wait_stages(lookup.times, admitted)
+        """Where the wait of its hit went (PrefetchOps.hit_stages)."""
+        return self.prefetches.hit_stages(req_id, admitted)
 
     def clear_storage(self) -> None:
         """Admin: remove every object from L3 (reset_cache leaves L3 alone)."""
@@ -717,12 +573,3 @@ class L3Planner:
             self.health.close()
         self.lookups.close()
         self.backend.close()
-
-
-def _placed(tree: HiRadixTree, chain, new: list, lo: int, some_unused: bool) -> list[int]:
-    """Blocks of ``chain[lo:]`` that now hold the pages in ``new`` (all of
-    them, unless the tree already had some: then look)."""
-    if not some_unused:
-        return list(range(lo, len(new)))
-    pages = tree.match(chain).pages
-    return [i for i in range(lo, len(new)) if i < len(pages) and pages[i] == new[i]]
