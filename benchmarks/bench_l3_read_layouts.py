@@ -9,6 +9,10 @@ L1 order is vLLM CPU's head-major block (``[planes, heads, tokens, dim]``),
 or the canonical one (``--canonical``). Pages of the demo model (6 layers,
 2 planes x 16 tokens x 4 heads x 64, fp16: 96 KiB).
 
+For the layer-major layouts it also times ``PageStore.read_by_layer`` (the
+read a same-step L1 copy can follow layer by layer): when the first layer
+is in the pool, and when the whole read has ended, checks included.
+
 Run: .venv/bin/python benchmarks/bench_l3_read_layouts.py [--dir DIR] [--pages 48] [--reads 40]
 """
 
@@ -22,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -48,8 +53,15 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def median_read_s(layout: str, root: str, args: argparse.Namespace) -> tuple[float, int]:
-    """Median seconds of one read of ``args.pages`` pages, and the bytes read."""
+class ReadTimes(NamedTuple):
+    whole_s: float               # median seconds of PageStore.read
+    nbytes: int                  # bytes one read brings in
+    first_layer_s: float | None  # read_by_layer: median until layer 0 is in the pool
+    by_layer_s: float | None     # read_by_layer: median of the whole call
+
+
+def median_read_s(layout: str, root: str, args: argparse.Namespace) -> ReadTimes:
+    """Medians of ``args.reads`` reads of ``args.pages`` pages each."""
     num = args.pages
     order = None if args.canonical else HEAD_MAJOR
     pool = HostKVPool(2 * num, LAYERS, PLANES, TOKENS, HEADS, DIM, torch.float16, layout,
@@ -62,15 +74,28 @@ def median_read_s(layout: str, root: str, args: argparse.Namespace) -> tuple[flo
     hashes = [os.urandom(32) for _ in range(num)]
     if not all(store.write(hashes, list(range(num)))):
         raise SystemExit(f"{layout}: the write failed")
-    seconds = []
+    seconds, first_s, layered_s = [], [], []
+    targets = list(range(num, 2 * num))
     for _ in range(args.reads):
         started = time.perf_counter()
-        read = store.read(hashes, list(range(num, 2 * num)))
+        read = store.read(hashes, targets)
         seconds.append(time.perf_counter() - started)
         if read != num:
             raise SystemExit(f"{layout}: read {read} of {num} pages")
+        if not store.reads_by_layer:
+            continue
+        landed: list[float] = []
+        started = time.perf_counter()
+        read = store.read_by_layer(hashes, targets,
+                                   lambda layer, n: landed.append(time.perf_counter()))
+        layered_s.append(time.perf_counter() - started)
+        first_s.append(landed[0] - started)
+        if read != num:
+            raise SystemExit(f"{layout}: read by layer {read} of {num} pages")
     backend.close()
-    return statistics.median(seconds), num * pool.bytes_per_page
+    return ReadTimes(statistics.median(seconds), num * pool.bytes_per_page,
+                     statistics.median(first_s) if first_s else None,
+                     statistics.median(layered_s) if layered_s else None)
 
 
 def main() -> int:
@@ -78,9 +103,13 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="hicache-read-layouts-", dir=args.dir)
     try:
         for layout in LAYOUTS:
-            seconds, nbytes = median_read_s(layout, root, args)
-            print(f"{layout:18s} {seconds * 1e3:6.2f} ms per read of {nbytes / 1e6:.1f} MB "
-                  f"({nbytes / seconds / 1e9:.2f} GB/s)", flush=True)
+            t = median_read_s(layout, root, args)
+            line = (f"{layout:18s} {t.whole_s * 1e3:6.2f} ms per read of {t.nbytes / 1e6:.1f} MB "
+                    f"({t.nbytes / t.whole_s / 1e9:.2f} GB/s)")
+            if t.first_layer_s is not None and t.by_layer_s is not None:
+                line += (f"; by layer: first layer in {t.first_layer_s * 1e3:.2f} ms, "
+                         f"all in {t.by_layer_s * 1e3:.2f} ms")
+            print(line, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -1,7 +1,9 @@
 """An in-process L3 for scheduler-harness tests: one dict per ``store`` name,
 shared by the scheduler's and the worker's instances (same process).
 Option ``read_bytes_per_s`` (0: unlimited) makes reads sleep per byte read,
-like a slow or congested store."""
+like a slow or congested store. ``RangedMemBackend`` also reads byte ranges
+(layer by layer, storage/pages.py ``read_by_layer``); ``RANGE_GATES`` holds
+back its range reads from an offset on."""
 
 from __future__ import annotations
 
@@ -11,9 +13,13 @@ import time
 import numpy as np
 
 from vllm_hicache.storage import StorageBackend
+from vllm_hicache.storage.base import RangedObjects
 
 STORES: dict[str, dict[str, bytes]] = {}
 GATES: dict[str, threading.Event] = {}
+# store name -> (offset, gate): RangedMemBackend's reads of ranges starting
+# at or past offset wait for the gate (at most 10 s).
+RANGE_GATES: dict[str, tuple[int, threading.Event]] = {}
 _LOCK = threading.Lock()
 
 
@@ -109,3 +115,40 @@ class FlakyMemBackend(MemBackend):
         keep = [not self._bad_luck() for _ in keys]
         super().put([k for k, g in zip(keys, keep) if g], [s for s, g in zip(sources, keep) if g])
         return keep
+
+
+class RangedMemBackend(MemBackend):
+    """MemBackend that also reads objects by byte ranges."""
+
+    name = "ranged-mem"
+
+    def open_ranged(self, keys, object_bytes):
+        self._gate()
+        blobs = []
+        for key in keys:
+            blob = self.data.get(key)
+            if blob is None or len(blob) != object_bytes:
+                break
+            blobs.append(blob)
+        return _MemRanges(blobs, RANGE_GATES.get(self.store_name))
+
+
+class _MemRanges(RangedObjects):
+    def __init__(self, blobs: list[bytes], gate: tuple[int, threading.Event] | None) -> None:
+        self._blobs, self._gate = blobs, gate
+
+    @property
+    def num_opened(self) -> int:
+        return len(self._blobs)
+
+    def read(self, index, offset, buffer):
+        if self._gate is not None and offset >= self._gate[0]:
+            self._gate[1].wait(timeout=10)
+        blob = self._blobs[index]
+        if offset + buffer.nbytes > len(blob):
+            return False
+        buffer[:] = np.frombuffer(blob, np.uint8, buffer.nbytes, offset)
+        return True
+
+    def close(self):
+        self._blobs = []

@@ -94,7 +94,7 @@ class RecordingIO:
     def submit_backup(self, job, ready=None) -> None:
         self.backups.append(job)
 
-    def submit_prefetch(self, job, ready=None) -> None:
+    def submit_prefetch(self, job, ready=None, by_layer=False) -> None:
         self.prefetches.append(job)
 
     def poll(self):

@@ -13,7 +13,7 @@ import pytest
 
 from tests.datapath import scenarios
 from tests.datapath.rig import CPU_CASES, Rig, same
-from vllm_hicache.common.jobs import BlockCopy, LoadJob
+from vllm_hicache.common.jobs import NO_COPY, BlockCopy, LoadJob
 from vllm_hicache.host import MEM_LAYOUTS
 
 
@@ -82,3 +82,38 @@ def test_loads_land_before_compute_on_cpu(rig_factory):
     """The GPU scenario with nothing held back: on CPU the hook is where a
     layer loads, so a forward that skips it reads poison, as on a GPU."""
     scenarios.check_loads_land_before_compute(rig_factory(), lambda stream: None)
+
+
+def test_loads_added_at_the_first_layer_and_a_request_failed_midway(rig_factory):
+    """A same-step read known only at the first layer's hook joins the
+    step's loads there (``add_loads``); a request whose read then falls
+    behind stops (``fail_request``): all its loads' blocks are load errors,
+    its later layers are not copied, another request's load is untouched,
+    and the step's stores are dropped."""
+    rig = rig_factory()
+    kv = rig.store(scenarios.SRC, scenarios.PAGES, seed=1)
+    dp = rig.dp
+    first = LoadJob("r", BlockCopy(scenarios.DST[:2], scenarios.PAGES[:2]))
+    added = LoadJob("r", BlockCopy(scenarios.DST[2:4], scenarios.PAGES[2:4]))
+    other = LoadJob("s", BlockCopy(scenarios.DST[4:], scenarios.PAGES[4:]))
+    dp.before_forward(NO_COPY)
+    dp.begin_step([], more_loads=True)
+    dp.start_loads()
+    for layer in range(rig.num_layers):
+        if layer == 0:
+            dp.add_loads([first, added, other])
+        if layer == 1:
+            dp.fail_request("r")
+        dp.wait_layer(layer)
+    dp.after_forward(BlockCopy(scenarios.SRC[:1], (scenarios.PAGES[5],)))
+    dp.end_step()
+    assert dp.take_load_errors() == set(scenarios.DST[:4])
+    assert dp.take_failed_store_pages() == {scenarios.PAGES[5]}  # the store was dropped
+    assert same(rig.read_blocks(scenarios.DST[4:]), kv[4:])  # "s" loaded whole
+    # "r": layer 0 copied, layer 1 on not.
+    assert same(rig.read_layer(0, scenarios.DST[:4]), kv[:4, 0])
+    assert not same(rig.read_layer(1, scenarios.DST[:4]), kv[:4, 1])
+    with pytest.raises(AssertionError):  # loads join only before the first layer
+        dp.begin_step([], more_loads=True)
+        dp.wait_layer(0)
+        dp.add_loads([other])

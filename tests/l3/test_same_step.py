@@ -6,6 +6,7 @@ recomputes, never wrong KV."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -17,6 +18,7 @@ from tests.l3.test_planner import forget_l1_and_l2, l3_harness
 from tests.scheduler.test_scheduler import assert_clean, prompt
 from vllm_hicache.common.stats import key, planner_samples
 from vllm_hicache.l3 import lookups as lookups_module
+from vllm_hicache.storage.format import HEADER_BYTES
 
 # Long enough for any lookup on a loaded machine (the lookup must answer in
 # the pass for same-step admission); every wait ends as soon as it is answered.
@@ -29,9 +31,24 @@ def lookups_answer_in_the_pass(monkeypatch):
     monkeypatch.setattr(lookups_module, "LOOKUP_WAIT_PER_STEP_S", GENEROUS_S)
 
 
+# Every test runs on a store that reads whole objects and on one that reads
+# byte ranges, where the worker's copies follow the read layer by layer.
+@pytest.fixture(autouse=True, params=["MemBackend", "RangedMemBackend"])
+def backend_class(request, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "BACKEND_CLASS", request.param)
+    return request.param
+
+
+BACKEND_CLASS = "MemBackend"
+
+
 def warm_l3(tiny_model_dir, read_wait_ms: float = 1000.0, **extra):
     """A harness whose L3 holds request "a"'s blocks, L1 and L2 emptied."""
-    h, store = l3_harness(tiny_model_dir, same_step_read_wait_ms=read_wait_ms, **extra)
+    h, store = l3_harness(tiny_model_dir, same_step_read_wait_ms=read_wait_ms,
+                          backend_class=BACKEND_CLASS, **extra)
+    # The configuration under test: reads by layer exactly on the ranged store.
+    pages = h.worker.worker._rank_l3.io.pages
+    assert pages.reads_by_layer == (BACKEND_CLASS == "RangedMemBackend")
     tokens = prompt(40, NUM_BLOCKS * BLOCK + 3)
     h.add("a", tokens)
     h.run()
@@ -123,20 +140,21 @@ def test_an_l2_part_and_an_l3_part_load_in_one_step(tiny_model_dir):
 
 def late_reads(h, gate: threading.Event, then=None):
     """The worker's copy waits for reads the store holds back (``gate``);
-    once the copy has given up, ``then()`` runs and the store lets them go."""
+    once the copy has given up, ``then()`` runs and the store lets them go.
+    On CPU the copy's first wait is for the first layer (StreamedLoads)."""
     rank = h.worker.worker._rank_l3
-    real = rank.wait_read
+    real = rank.wait_layer
     seen = []
 
-    def wait_read(generation, op_id, num_pages, timeout_s):
-        read = real(generation, op_id, num_pages, timeout_s)
+    def wait_layer(generation, op_id, layer, num_pages, timeout_s):
+        read = real(generation, op_id, layer, num_pages, timeout_s)
         seen.append(read)
         if then is not None:
             then()
         gate.set()
         return read
 
-    rank.wait_read = wait_read
+    rank.wait_layer = wait_layer
     return seen
 
 
@@ -245,4 +263,38 @@ def test_requests_sharing_a_prefix_are_admitted_together(tiny_model_dir):
     assert h.sched_half.stats.hit_tokens_l3 == NUM_BLOCKS * BLOCK  # no block read twice
     assert all(h.load_checks) and all_blocks_hold_their_kv(h, "c")
     h.run()
+    assert_clean(h)
+
+
+@pytest.mark.parametrize("backend_class", ["RangedMemBackend"], indirect=True)
+def test_a_layer_that_comes_late_fails_the_whole_load(tiny_model_dir, backend_class):
+    """Layer 0 arrives, layer 1 does not within the budget: what was copied
+    of the request is incomplete, so every block of its load is a load error
+    and is recomputed; the read still lands for later requests."""
+    h, store, tokens = warm_l3(tiny_model_dir, read_wait_ms=50.0)
+    pages = h.worker.worker._rank_l3.io.pages
+    layer_bytes = pages.payload_bytes // pages.pool.num_layers
+    name = h.sched_half.l3.backend.store_name
+    mem_backend.RANGE_GATES[name] = (HEADER_BYTES + layer_bytes, gate := threading.Event())
+    rank = h.worker.worker._rank_l3
+    real, seen = rank.wait_layer, []
+
+    def wait_layer(generation, op_id, layer, num_pages, timeout_s):
+        seen.append(real(generation, op_id, layer, num_pages, timeout_s))
+        if layer == 1:  # given up on: let the read go on
+            gate.set()
+        return seen[-1]
+
+    rank.wait_layer = wait_layer
+    try:
+        assert admit(h, "b", tokens) == 0
+    finally:
+        gate.set()
+        del mem_backend.RANGE_GATES[name]
+    assert seen == [NUM_BLOCKS, 0]  # layer 0 came, layer 1 did not: no wait after that
+    assert h.sched_half.stats.load_error_blocks == NUM_BLOCKS
+    h.step()  # vLLM recomputes the blocks
+    assert all_blocks_hold_their_kv(h, "b")  # the answer equals recomputation
+    h.run()
+    assert h.sched_half.l3.prefetched_blocks == NUM_BLOCKS
     assert_clean(h)

@@ -262,3 +262,61 @@ def test_wait_read_stops_at_a_missing_object(store):
     assert io.wait_read(8, 2, GATE_TIMEOUT_S) == 1  # the read ended short: no timeout
     assert time.monotonic() - started < GATE_TIMEOUT_S / 2
     io.shutdown()
+
+
+class LayeredPages:
+    """A PageTier that reads by layer: layer i of every page lands when
+    ``gates[i]`` opens; the read then says ``verified`` pages passed."""
+
+    def __init__(self, wrapped: PageStore, num_layers: int, verified: int) -> None:
+        self.wrapped, self.verified = wrapped, verified
+        self.gates = [threading.Event() for _ in range(num_layers)]
+        self.pool, self.backend = wrapped.pool, wrapped.backend
+        self.reads_by_layer = True
+
+    def read_by_layer(self, hashes, pages, on_layer) -> int:
+        for layer, gate in enumerate(self.gates):
+            assert gate.wait(GATE_TIMEOUT_S)
+            on_layer(layer, len(pages))
+        return self.verified
+
+    def take_check_seconds(self) -> float:
+        return 0.0
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def test_wait_layer_returns_as_each_layer_lands(store):
+    """A same-step L1 copy of layer i waits for layer i of the read only;
+    what the read then verifies is its final count."""
+    pages = LayeredPages(store, num_layers=2, verified=1)
+    io = StorageIO(pages, worker_id=0, writes=True, num_threads=1)
+    io.submit_prefetch(PrefetchJob(5, (b"a" * 8, b"b" * 8), (8, 9)), by_layer=True)
+    started = time.monotonic()
+    assert io.wait_layer(5, 0, 2, 0.05) == 0  # held back: bounded, nothing there
+    assert time.monotonic() - started >= 0.05
+    threading.Timer(0.05, pages.gates[0].set).start()
+    assert io.wait_layer(5, 0, 2, GATE_TIMEOUT_S) == 2
+    assert time.monotonic() - started < GATE_TIMEOUT_S / 2  # woken by the layer
+    assert io.wait_layer(5, 1, 2, 0.05) == 0  # layer 1 has not landed
+    assert io.wait_read(5, 2, 0.0) == 0  # nothing verified yet
+    pages.gates[1].set()
+    assert io.wait_layer(5, 1, 2, GATE_TIMEOUT_S) == 2
+    assert io.wait_read(5, 2, GATE_TIMEOUT_S) == 1  # one page passed its check
+    progress, _ = io.poll()
+    assert progress[5] == PrefetchProgress(1, True)
+    assert io.wait_layer(5, 0, 2, 0.0) == 0  # reported finished: forgotten
+    io.shutdown()
+
+
+def test_by_layer_on_a_store_that_cannot_reads_whole(store):
+    """The store reads whole objects only: the request is served by a whole
+    read, and every layer is there once it is."""
+    assert not store.reads_by_layer  # page_first
+    store.write([bytes([0]) * 8], [0])
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    io.submit_prefetch(PrefetchJob(6, (bytes([0]) * 8,), (8,)), by_layer=True)
+    assert io.wait_layer(6, 1, 1, GATE_TIMEOUT_S) == 1
+    assert io.wait_read(6, 1, 0.0) == 1
+    io.shutdown()

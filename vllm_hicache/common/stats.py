@@ -165,9 +165,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "load_wait (for the request to be scheduled), load (L2 -> L1). All but load sum "
                "to the request's wait from its lookup to its admission (l3/hit_stages.py)."),
     MetricSpec("l3_same_step_wait_seconds", "counter", (),
-               "same_step_read_wait_ms: seconds the forward waited, before its copies, for "
-               "the reads of the L3 hits admitted in its step, summed over TP ranks (per hit: "
+               "same_step_read_wait_ms: seconds the forward waited for the reads of the L3 "
+               "hits admitted in its step (before its copies; on CPU layer by layer, and for "
+               "the pages' checks before its stores), summed over TP ranks (per hit: "
                "divided by prefetches{event=\"same_step\"}); the compute core idles meanwhile."),
+    MetricSpec("l3_reads_by_layer", "counter", (),
+               "same_step_read_wait_ms on CPU: L3 reads delivered layer by layer (the store "
+               "reads byte ranges, the layout's payload is layer-major, no encryption), each "
+               "layer's L1 copy waiting for that layer only; summed over TP ranks."),
     MetricSpec("estimated_prefill_tokens_per_second", "gauge", (),
                "hicache_load_decision=auto: the engine's prefill rate, as its prefill model "
                "predicts it for a 1024-token prompt; absent until measured."),

@@ -54,7 +54,7 @@ from vllm_hicache.kernels import describe_kv_tensor
 from vllm_hicache.kernels.io_backends import IOBackend
 from vllm_hicache.l3.attach_worker import RankL3
 from vllm_hicache.l3.node_load_queue import NodeLoadQueue, node_load_queue
-from vllm_hicache.l3.same_step import split_loads
+from vllm_hicache.l3.same_step import StreamedLoads, split_loads
 from vllm_hicache.l3.setup import build_storage_io, worker_id
 from vllm_hicache.l3.worker_io import StorageIO
 from vllm_hicache.storage_config import StorageConfig
@@ -100,6 +100,9 @@ class HiCacheWorker:
         # None without a node tier. Blocks they did not load, not yet reported.
         self._node_loads: NodeLoadQueue | None = None
         self._node_load_errors: set[int] = set()
+        # This step's same-step loads, copied as their reads deliver each
+        # layer (CPU; l3/same_step.py); None when the step has none.
+        self._streamed: StreamedLoads | None = None
 
     @property
     def pool(self) -> HostKVPool | None:
@@ -234,23 +237,30 @@ class HiCacheWorker:
         self._meta = meta
         if meta.storage_command is not None:  # before any L3 job of this step
             self._run_storage_command(meta.storage_command)
+        # CPU: the same-step loads' copies follow their reads layer by layer.
+        streamed = bool(meta.same_step_loads) and self._path().stream is None
         if meta.prefetches:
             # Prefetch pages may have fed a load a moment ago (CUDA: still
             # queued): the reads start after everything issued so far.
             data = self._path()
             ready = data.ready_event()
+            same_step_ops = {load.op_id for load in meta.same_step_loads} if streamed else set()
             for job in meta.prefetches:
                 # The read rewrites these pages; the scheduler indexes only
                 # what it reports as read, so old garbage no longer matters.
                 data.rewritten(job.pages)
-                self._rank_l3.submit_prefetch(job, ready)
+                self._rank_l3.submit_prefetch(job, ready, by_layer=job.op_id in same_step_ops)
         loads = meta.loads
         unread: list[int] = []
-        if meta.same_step_loads:  # copies wait (bounded) for this step's reads
+        self._streamed = None
+        if streamed:
+            self._streamed = StreamedLoads(meta.same_step_loads, self._rank_l3.wait_layer,
+                                           self._rank_l3.wait_read)
+        elif meta.same_step_loads:  # copies wait (bounded) for this step's reads
             began = time.perf_counter()
             loads, unread = split_loads(loads, meta.same_step_loads, self._rank_l3.wait_read)
             self.counters.add(key("l3_same_step_wait_seconds"), time.perf_counter() - began)
-        self._path().begin_step(loads)
+        self._path().begin_step(loads, more_loads=streamed)
         self._path().fail_blocks(unread)
 
     def _run_storage_command(self, cmd: StorageCommand) -> None:
@@ -288,12 +298,28 @@ class HiCacheWorker:
         if layer is not None:
             if self._node_loads is not None:
                 self._node_loads.load_layer(layer)
+            if self._streamed is not None:
+                self._gate_layer(self._streamed, layer)
             self._path().wait_layer(layer)
+
+    def _gate_layer(self, streamed: StreamedLoads, layer: int) -> None:
+        """Before layer ``layer``'s copies: wait for the same-step reads to
+        deliver it, and take what did not arrive out of the copies."""
+        data = self._path()
+        waited_s = streamed.blocked_s
+        gate = streamed.before_layer(layer)
+        self.counters.add(key("l3_same_step_wait_seconds"), streamed.blocked_s - waited_s)
+        if gate.loads:
+            data.add_loads(gate.loads)
+        for req_id in gate.failed_req_ids:
+            data.fail_request(req_id)
+        data.fail_blocks(gate.failed_blocks)
 
     def wait_for_save(self) -> None:
         meta = self._meta
         if meta is None:
             return
+        self._finish_streamed()  # pages copied unverified: checked before any store
         if self._node_loads is not None:  # loads that failed after the forward used them
             late = self._node_loads.finish_in_step()
             self._node_load_errors |= late
@@ -303,6 +329,18 @@ class HiCacheWorker:
             ready = self._path().ready_event()
             for job in meta.backups:
                 self._rank_l3.submit_backup(self._without_garbage(job), ready)
+
+    def _finish_streamed(self) -> None:
+        """The step's same-step pages that are not verified become load
+        errors. Runs before the step's stores and before its load errors are
+        collected, whichever vLLM calls first (speculative decoding defers
+        ``wait_for_save`` past the collection)."""
+        streamed, self._streamed = self._streamed, None
+        if streamed is None:
+            return
+        waited_s = streamed.blocked_s
+        self._path().fail_blocks(streamed.finish())
+        self.counters.add(key("l3_same_step_wait_seconds"), streamed.blocked_s - waited_s)
 
     def _without_garbage(self, job: BackupJob) -> BackupJob:
         """The backup minus pages whose store failed: an L3 object made from
@@ -323,6 +361,7 @@ class HiCacheWorker:
 
     def clear(self) -> None:
         self._meta = None
+        self._finish_streamed()  # not left for a later step to miss
         if self.data is not None:
             self.data.end_step()
 
@@ -422,6 +461,7 @@ class HiCacheWorker:
     def take_load_errors(self) -> set[int]:
         if self.data is None or self._hybrid:
             return set()  # hybrid: reported per request (take_failed_recving)
+        self._finish_streamed()
         node_failed, self._node_load_errors = self._node_load_errors, set()
         return self.data.take_load_errors() | node_failed
 

@@ -153,10 +153,12 @@ class KVDataPath:
             # Even after a failure: part of the copy may still be queued.
             self._compute_waits_for_stores(record_now=True)
 
-    def begin_step(self, loads: Sequence[LoadJob]) -> None:
-        """This step's layerwise loads; those reading garbage fail now."""
+    def begin_step(self, loads: Sequence[LoadJob], more_loads: bool = False) -> None:
+        """This step's layerwise loads; those reading garbage fail now.
+        ``more_loads``: ``add_loads`` may bring some before the first layer."""
         self._loads = list(loads)
-        self._pending_layers = set(range(self.num_layers)) if self._loads else set()
+        self._pending_layers = (set(range(self.num_layers)) if self._loads or more_loads
+                                else set())
         self._layer_events = {}
         self._failed_loads = set()
         self._missing_kv = False
@@ -171,6 +173,24 @@ class KVDataPath:
         if block_ids:
             self._load_errors.update(block_ids)
             self._missing_kv = True
+
+    def add_loads(self, loads: Sequence[LoadJob]) -> None:
+        """CPU, before ``wait_layer`` of the step's first layer (a same-step
+        read known only then, l3/same_step.py ``StreamedLoads``): more loads."""
+        assert self.stream is None and len(self._pending_layers) == self.num_layers, \
+            "loads added after a layer was loaded"
+        self._loads += loads
+        for job in loads:
+            if self._reads_garbage(job):
+                self._fail_load(job)
+
+    def fail_request(self, req_id: str) -> None:
+        """Stop ``req_id``'s loads of this step: none of its layers from now on
+        is copied, and every block of its loads is a load error (what was
+        copied before is incomplete)."""
+        for job in self._loads:
+            if job.req_id == req_id:
+                self._fail_load(job)
 
     def start_loads(self, async_loads: Sequence[LoadJob] = ()) -> None:
         """Issue the async loads, and on CUDA queue every layer's loads."""

@@ -232,6 +232,17 @@ class HostLayout:
             return (1, 2, 3, 0, 4, 5)
         return (0, *(1 + axis for axis in self.order.nesting()))
 
+    def layer_payload_axes(self) -> tuple[int, ...] | None:
+        """The axes of one layer's block (``cells`` of one page and layer:
+        [plane, kernel_block, token_in_kernel_block, head, elem]) in the
+        byte order of that layer's run of the L3 payload; None where the
+        payload is not layer-major (page_first: token-major across layers),
+        so a layer's bytes are not one run of it."""
+        axes = self.payload_axes()
+        if axes[0] != 0:
+            return None
+        return tuple(axis - 1 for axis in axes[1:])
+
     def head_slice_layout(self, heads: int) -> HostLayout:
         """A one-page layout whose page is one run of ``heads`` of this
         layout's heads, in this layout's payload order (what an L3 head

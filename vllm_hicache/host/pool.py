@@ -209,6 +209,18 @@ class HostKVPool:
         cells = self.cells()
         cells.index_copy_(0, index, data.reshape(len(index), *cells.shape[1:]))
 
+    def write_layer_payloads(self, layer: int, pages: Sequence[int], data: torch.Tensor) -> None:
+        """Overwrite layer ``layer`` of the pages from ``data``: per page, the
+        bytes of that layer's run of its L3 payload (``layer_payload_axes``;
+        layer-major payloads only), ``[n, bytes]`` uint8."""
+        axes = self.layout.layer_payload_axes()
+        if axes is None:
+            raise ValueError(f"{self.mem_layout} payloads are not layer-major")
+        target = self.cells()[:, layer].permute(0, *(1 + axis for axis in axes))
+        index = torch.as_tensor(list(pages), dtype=torch.long)
+        source = data.view(self.dtype).reshape(len(index), *target.shape[1:])
+        target.index_copy_(0, index, source)
+
     def close(self) -> None:
         """Unpin the buffer; the pool must not be used afterwards."""
         if self._unpin is not None:

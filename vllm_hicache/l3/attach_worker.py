@@ -166,13 +166,13 @@ class RankL3:
         retiring = self._retiring.get(generation)
         return retiring.io if retiring is not None else None
 
-    def submit_prefetch(self, job: PrefetchJob, ready=None) -> None:
+    def submit_prefetch(self, job: PrefetchJob, ready=None, by_layer: bool = False) -> None:
         io = self._client(job.generation)
         if io is None or io is not self.io:  # retiring clients read nothing new
             self._orphan(job.generation)
             self._orphans.prefetch[job.op_id] = PrefetchProgress(0, True)
             return
-        io.submit_prefetch(job, ready)
+        io.submit_prefetch(job, ready, by_layer)
 
     def submit_backup(self, job: BackupJob, ready=None) -> None:
         io = self._client(job.generation)
@@ -198,6 +198,15 @@ class RankL3:
         if io is None or io is not self.io:
             return 0
         return io.wait_read(op_id, num_pages, timeout_s)
+
+    def wait_layer(self, generation: int, op_id: int, layer: int, num_pages: int,
+                   timeout_s: float) -> int:
+        """Leading pages of prefetch ``op_id`` whose layer ``layer`` is in the
+        pool, waiting as ``StorageIO.wait_layer``; 0 as ``wait_read``."""
+        io = self._client(generation)
+        if io is None or io is not self.io:
+            return 0
+        return io.wait_layer(op_id, layer, num_pages, timeout_s)
 
     def wait_prefetches(self, timeout_s: float) -> None:
         """Give the serving client's open prefetches up to ``timeout_s`` to

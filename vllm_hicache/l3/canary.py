@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -205,6 +205,12 @@ class DisabledPageStore:
     def read(self, hashes: Sequence[bytes], pages: Sequence[int],
              states: list[bool] | None = None) -> int:
         return 0
+
+    reads_by_layer = False
+
+    def read_by_layer(self, hashes: Sequence[bytes], pages: Sequence[int],
+                      on_layer: Callable[[int, int], None]) -> int:
+        raise AssertionError("read_by_layer on a disabled L3")
 
     def take_check_seconds(self) -> float:
         return 0.0

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -79,6 +79,12 @@ class PageTier(Protocol):
     def read(self, hashes: Sequence[bytes], pages: Sequence[int],
              states: list[bool] | None = None) -> int: ...
 
+    @property
+    def reads_by_layer(self) -> bool: ...
+
+    def read_by_layer(self, hashes: Sequence[bytes], pages: Sequence[int],
+                      on_layer: Callable[[int, int], None]) -> int: ...
+
     def stats(self) -> dict[str, float]: ...
 
     def take_check_seconds(self) -> float: ...
@@ -109,6 +115,9 @@ class StorageIO:
         # Notified whenever a prefetch's progress changes (wait_read).
         self._read_changed = threading.Condition(self._lock)
         self._progress: dict[int, PrefetchProgress] = {}
+        # Prefetch op read by layer -> per layer done, its leading pages in
+        # the pool (unverified until the op finishes; PageStore.read_by_layer).
+        self._layer_pages: dict[int, list[int]] = {}
         # Finished prefetch op -> its timing, until polled.
         self._timings: dict[int, PrefetchTiming] = {}
         self._backups_done: set[int] = set()
@@ -122,11 +131,15 @@ class StorageIO:
         # retire(drop): running backups stop after their current batch.
         self._dropping = threading.Event()
 
-    def submit_prefetch(self, job: PrefetchJob, ready=None) -> None:
+    def submit_prefetch(self, job: PrefetchJob, ready=None, by_layer: bool = False) -> None:
+        """Queue the read of ``job``; ``by_layer``: deliver it layer by layer
+        where the store can (``wait_layer``), for an L1 copy that runs as
+        the forward reaches each layer."""
         with self._lock:
             self._progress[job.op_id] = PrefetchProgress(0, False)
+        by_layer = by_layer and self.pages.reads_by_layer
         self._track(self._prefetches, self._read_pool.submit(
-            self._guard, self._prefetch, job, ready, time.perf_counter()), job)
+            self._guard, self._prefetch, job, ready, time.perf_counter(), by_layer), job)
 
     def submit_backup(self, job: BackupJob, ready=None) -> None:
         self._track(self._backups, self._write_pool.submit(self._guard, self._backup, job, ready),
@@ -167,6 +180,27 @@ class StorageIO:
                 self._read_changed.wait_for(settled, timeout=timeout_s)
             progress = self._progress.get(op_id)
             return min(progress.done, num_pages) if progress is not None else 0
+
+    def wait_layer(self, op_id: int, layer: int, num_pages: int, timeout_s: float) -> int:
+        """Leading pages of prefetch ``op_id`` whose layer ``layer`` is in the
+        pool, once that layer is delivered, they reach ``num_pages``, the
+        read ends or ``timeout_s`` passes. Pages beyond the op's final
+        ``done`` were never verified: their copies must be failed."""
+        def delivered() -> int:
+            p = self._progress.get(op_id)
+            layers = self._layer_pages.get(op_id, ())
+            return max(layers[layer] if layer < len(layers) else 0,
+                       p.done if p is not None else 0)
+
+        def settled() -> bool:
+            p = self._progress.get(op_id)
+            return (p is None or p.finished or delivered() >= num_pages
+                    or layer < len(self._layer_pages.get(op_id, ())))
+
+        with self._read_changed:
+            if timeout_s > 0:
+                self._read_changed.wait_for(settled, timeout=timeout_s)
+            return min(delivered(), num_pages)
 
     def retire(self, pending_backups: str) -> list[tuple[BackupJob, Any]]:
         """Stop taking part in new work (see module doc); returns the queued
@@ -221,12 +255,15 @@ class StorageIO:
                     self._backup_failures.setdefault(job.op_id, set()).update(job.hashes)
                     self._backups_done.add(job.op_id)
 
-    def _prefetch(self, job: PrefetchJob, ready, submitted: float) -> None:
+    def _prefetch(self, job: PrefetchJob, ready, submitted: float, by_layer: bool) -> None:
         if ready is not None:
             ready.synchronize()
         queue_s = time.perf_counter() - submitted
-        read_s = 0.0
         self.pages.take_check_seconds()  # what this thread checked before is not ours
+        if by_layer and not self._stopping.is_set():
+            self._prefetch_by_layer(job, queue_s)
+            return
+        read_s = 0.0
         done = 0
         states: list[bool] = []  # per page read, for stores with page states
         for begin in range(0, len(job.pages), BATCH_PAGES):
@@ -251,6 +288,25 @@ class StorageIO:
                 self._read_changed.notify_all()
             if finished:
                 return
+
+    def _prefetch_by_layer(self, job: PrefetchJob, queue_s: float) -> None:
+        """The whole job in one layered read: each layer's pages are published
+        as they land, the verified count when the read ends."""
+        def on_layer(layer: int, num_pages: int) -> None:
+            with self._lock:
+                self._layer_pages.setdefault(job.op_id, []).append(num_pages)
+                self._read_changed.notify_all()
+
+        self.counters.add(key("l3_reads_by_layer"))
+        started = time.perf_counter()
+        good = self.pages.read_by_layer(job.hashes, job.pages, on_layer)
+        read_s = time.perf_counter() - started
+        self.counters.add_transfer("prefetch", good * self._page_bytes, read_s)
+        check_s = min(read_s, self.pages.take_check_seconds())
+        with self._lock:
+            self._timings[job.op_id] = PrefetchTiming(queue_s, read_s - check_s, check_s)
+            self._progress[job.op_id] = PrefetchProgress(good, True)
+            self._read_changed.notify_all()
 
     def _backup(self, job: BackupJob, ready) -> None:
         if ready is not None:
@@ -318,6 +374,7 @@ class StorageIO:
             for op_id, p in progress.items():
                 if p.finished:
                     del self._progress[op_id]
+                    self._layer_pages.pop(op_id, None)
             backups, self._backups_done = self._backups_done, set()
         return progress, backups
 

@@ -83,6 +83,14 @@ class StorageBackend(ABC):
         """Hook: ``region`` (the host pool) will contain get/put buffers for the
         backend's lifetime. Zero-copy engines register it; default: nothing."""
 
+    def open_ranged(self, keys: Sequence[str], object_bytes: int) -> RangedObjects | None:
+        """Objects ``keys`` opened for reads of byte ranges, or None: this
+        backend reads whole objects only (the default). Called by a worker's
+        I/O thread that reads a hit layer by layer (storage/pages.py
+        ``read_by_layer``); only the leading objects that exist and are
+        exactly ``object_bytes`` long are opened."""
+        return None
+
     @abstractmethod
     def clear(self) -> None:
         """Remove every object this backend can see (admin API)."""
@@ -100,3 +108,25 @@ class StorageBackend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release connections and threads; idempotent."""
+
+
+class RangedObjects(ABC):
+    """Leading objects of one read, open for reads of byte ranges
+    (``StorageBackend.open_ranged``). Used by the one thread that opened
+    them, which must ``close`` them; an object may be replaced meanwhile
+    (a put), and a range read from it then either fails or returns bytes
+    of one version, which the object's check catches (storage/format.py)."""
+
+    @property
+    @abstractmethod
+    def num_opened(self) -> int:
+        """Leading keys opened (each exactly ``object_bytes`` long)."""
+
+    @abstractmethod
+    def read(self, index: int, offset: int, buffer: np.ndarray) -> bool:
+        """Fill ``buffer`` with bytes [offset, offset + len) of opened object
+        ``index``; False if they could not all be read."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the objects; idempotent."""

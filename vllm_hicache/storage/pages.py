@@ -60,7 +60,12 @@ from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.storage.base import StorageBackend
 from vllm_hicache.storage.batching import chunks, map_slices
 from vllm_hicache.storage.counters import Counters
-from vllm_hicache.storage.format import HEADER_BYTES, header_key_digest, key_digest
+from vllm_hicache.storage.format import (
+    HEADER_BYTES,
+    fields_nonce,
+    header_key_digest,
+    key_digest,
+)
 from vllm_hicache.storage.log_throttle import LogThrottle
 from vllm_hicache.storage.sealing import ChecksumCodec, ObjectCodec
 
@@ -199,6 +204,58 @@ class PageStore:
             self._scatter(pages[:good_pages], payloads[:good_pages * self._per_page], staged)
         return good_pages
 
+    @property
+    def reads_by_layer(self) -> bool:
+        """Can ``read_by_layer`` deliver a read layer by layer? It needs the
+        layers' bytes as runs of each object (a layer-major payload: not
+        page_first), one object per page, no state flags, a payload in clear
+        (not the encrypting codec) and a backend that reads byte ranges."""
+        return (self.pool.layout.layer_payload_axes() is not None and self._per_page == 1
+                and not self.page_states and self._scratch_bytes == 0
+                and type(self.backend).open_ranged is not StorageBackend.open_ranged)
+
+    def read_by_layer(self, hashes: Sequence[bytes], pages: Sequence[int],
+                      on_layer: Callable[[int, int], None]) -> int:
+        """As ``read``, delivered layer by layer (needs ``reads_by_layer``):
+        ``on_layer(layer, num_pages)`` runs once per layer, in order, when
+        that layer of the leading ``num_pages`` pages is in the pool (never
+        more pages than for the layer before). Those bytes are NOT verified
+        yet: every object's check runs after its last layer, and only the
+        result, the leading pages that passed it, may be indexed or kept
+        (the L1 copies made from the rest must be failed)."""
+        assert self.reads_by_layer, "read_by_layer on a store that cannot"
+        keys = self.keys(hashes)
+        ranged = self.backend.open_ranged(keys, self.object_bytes)
+        assert ranged is not None
+        size, layers = self.payload_bytes, self.pool.num_layers
+        layer_bytes = size // layers
+        try:
+            n = ranged.num_opened
+            flat = self._staging(n * size)
+            objects = flat.reshape(n, size)
+            headers = self._kept("headers", n * HEADER_BYTES).reshape(n, HEADER_BYTES)
+            # A header that is not what this reader expects fails its object
+            # now, before its layers reach L1 (the check proper comes last).
+            n = next((i for i in range(n) if not ranged.read(i, 0, headers[i])
+                      or fields_nonce(headers[i], keys[i], size, self.codec.protection) is None),
+                     n)
+            for layer in range(layers):
+                begin = layer * layer_bytes
+                n = next((i for i in range(n) if not ranged.read(
+                    i, HEADER_BYTES + begin, objects[i, begin:begin + layer_bytes])), n)
+                if n:
+                    self.pool.write_layer_payloads(
+                        layer, pages[:n], torch.from_numpy(objects[:n, begin:begin + layer_bytes]))
+                on_layer(layer, n)
+        finally:
+            ranged.close()
+        payloads = [objects[i] for i in range(n)]
+        good = self._open_objects(keys, keys, list(headers[:n]), payloads, payloads,
+                                  [None] * n, n)
+        if good < len(keys):
+            logger.debug("L3 read by layer: %d of %d objects valid", good, len(keys))
+        return good
+
     def take_check_seconds(self) -> float:
         """Seconds this thread's reads spent opening objects since its last take."""
         total = getattr(self._check_s, "total", 0.0)
@@ -242,6 +299,15 @@ class PageStore:
             sealed = [state_sealed_key(k, flag) for k, flag in zip(keys, with_state)]
         else:
             sealed = keys
+        n = self._open_objects(keys, sealed, headers, bodies, payloads, scratch, n)
+        if self.page_states:
+            states += with_state[:n]
+        return n
+
+    def _open_objects(self, keys: list[str], sealed: list[str], headers: list[np.ndarray],
+                      bodies: list[np.ndarray], payloads: list[np.ndarray],
+                      scratch: list[np.ndarray | None], n: int) -> int:
+        """Check (and decrypt) the first ``n`` objects read; leading ones valid."""
         check_started = time.perf_counter()
         opened = self._each(n, lambda i: self.codec.open(
             sealed[i], headers[i], bodies[i], payloads[i], scratch[i]))
@@ -250,10 +316,7 @@ class PageStore:
         for i, ok in enumerate(opened):
             if not ok:
                 self._note_invalid(keys[i])
-                n = i
-                break
-        if self.page_states:
-            states += with_state[:n]
+                return i
         return n
 
     def _sealed_keys(self, keys: list[str], states: Sequence[bool]) -> list[str]:

@@ -48,9 +48,11 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from vllm_hicache import io_threads
 from vllm_hicache.daemon_pool import DaemonPool
-from vllm_hicache.storage.base import Buffers, StorageBackend, StorageContext
+from vllm_hicache.storage.base import Buffers, RangedObjects, StorageBackend, StorageContext
 from vllm_hicache.storage.batching import map_slices
 from vllm_hicache.storage.buffers import total_bytes
 from vllm_hicache.storage.counters import Counters
@@ -122,6 +124,19 @@ class FileBackend(StorageBackend):
         self._counts.add(gets=len(keys), get_hits=sum(hits), get_bytes=sum(s for s in sizes if s))
         return hits
 
+    def open_ranged(self, keys: Sequence[str], object_bytes: int) -> RangedObjects:
+        fds: list[int] = []
+        for key in keys:
+            opened = self._open_object(key)
+            if opened is None:
+                break
+            if opened[1] != object_bytes:
+                os.close(opened[0])
+                break
+            fds.append(opened[0])
+        self._counts.add(gets=len(keys), get_hits=len(fds), get_bytes=len(fds) * object_bytes)
+        return _FileRanges(fds)
+
     def put(self, keys: Sequence[str], sources: Sequence[Buffers]) -> list[bool]:
         assert len(keys) == len(sources), (len(keys), len(sources))
         items = list(zip(keys, sources))
@@ -165,6 +180,19 @@ class FileBackend(StorageBackend):
 
     def _get_one(self, key: str, buffers: Buffers) -> int | None:
         """Bytes read, or None: a miss."""
+        opened = self._open_object(key)
+        if opened is None:
+            return None
+        fd, size = opened
+        try:
+            read = file_io.read_whole(fd, size, buffers)
+            return read if read >= 0 else None
+        finally:
+            os.close(fd)
+
+    def _open_object(self, key: str) -> tuple[int, int] | None:
+        """(descriptor, size) of object ``key``'s regular file (its LRU entry
+        touched: it is being read), or None: a miss."""
         if not file_io.valid_key(key):
             return None
         parts, name = file_io.object_location(key)
@@ -175,18 +203,12 @@ class FileBackend(StorageBackend):
         opened = file_io.regular(fd)
         if opened is None:  # a FIFO, a device...: closed by ``regular``
             return None
-        try:
-            size = file_io.read_whole(fd, opened[1], buffers)
-            if size < 0:
-                return None
-            if self._capacity.touch(key):
-                try:  # the LRU clock other processes' rescans sort by
-                    os.utime(fd)
-                except OSError:
-                    pass
-            return size
-        finally:
-            os.close(fd)
+        if self._capacity.touch(key):
+            try:  # the LRU clock other processes' rescans sort by
+                os.utime(fd)
+            except OSError:
+                pass
+        return opened
 
     def _write_temp(self, key: str, buffers: Buffers, size: int) -> tuple[int, str, str] | None:
         """Write the temp file of one object of ``size`` bytes (not yet
@@ -305,6 +327,28 @@ class FileBackend(StorageBackend):
         if self._error_log.ready():
             logger.warning("file L3 at %s: %s failed (%d failures so far); counted as a miss",
                            self.root, where, errors, exc_info=True)
+
+
+class _FileRanges(RangedObjects):
+    """Open object files of one layered read (``FileBackend.open_ranged``)."""
+
+    def __init__(self, fds: list[int]) -> None:
+        self._fds = fds
+
+    @property
+    def num_opened(self) -> int:
+        return len(self._fds)
+
+    def read(self, index: int, offset: int, buffer: np.ndarray) -> bool:
+        try:
+            return file_io.read_range(self._fds[index], offset, buffer)
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
 
 
 def _open_root(cfg: FileBackendConfig, umask: int) -> tuple[StoreDir, Capacity]:

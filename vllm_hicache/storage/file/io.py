@@ -121,6 +121,19 @@ def read_whole(fd: int, size: int, buffers: Sequence[np.ndarray]) -> int:
     return expected if done == expected else -1
 
 
+def read_range(fd: int, offset: int, buffer: np.ndarray) -> bool:
+    """Fill ``buffer`` from regular file ``fd`` at ``offset``; False if the
+    file ends first (resumed as ``read_whole`` is)."""
+    expected = buffer.nbytes
+    done = 0
+    while done < expected:
+        n = os.preadv(fd, [memoryview(buffer).cast("B")[done:]], offset + done)
+        if n <= 0:
+            return False
+        done += n
+    return True
+
+
 def regular_size(dir_fd: int, name: str) -> int | None:
     """Size of ``name`` in ``dir_fd`` if it is a regular file (a symlink is not
     followed), else None."""
