@@ -113,6 +113,14 @@ def test_loads_added_at_the_first_layer_and_a_request_failed_midway(rig_factory)
     # "r": layer 0 copied, layer 1 on not.
     assert same(rig.read_layer(0, scenarios.DST[:4]), kv[:4, 0])
     assert not same(rig.read_layer(1, scenarios.DST[:4]), kv[:4, 1])
+    # A request failed before its other load joins: that one fails too.
+    dp.begin_step([first], more_loads=True)
+    dp.fail_request("r")
+    dp.add_loads([added])
+    dp.wait_layer(0)
+    assert dp.take_load_errors() == set(scenarios.DST[:4])
+    dp.after_forward()
+    dp.end_step()
     with pytest.raises(AssertionError):  # loads join only before the first layer
         dp.begin_step([], more_loads=True)
         dp.wait_layer(0)

@@ -181,16 +181,18 @@ class KVDataPath:
             "loads added after a layer was loaded"
         self._loads += loads
         for job in loads:
-            if self._reads_garbage(job):
+            if job.req_id in self._failed_loads or self._reads_garbage(job):
                 self._fail_load(job)
 
     def fail_request(self, req_id: str) -> None:
         """Stop ``req_id``'s loads of this step: none of its layers from now on
         is copied, and every block of its loads is a load error (what was
-        copied before is incomplete)."""
+        copied before is incomplete). A request may have several loads (an
+        L2 part, a same-step L3 part): they fail together."""
+        self._failed_loads.add(req_id)
         for job in self._loads:
             if job.req_id == req_id:
-                self._fail_load(job)
+                self._load_errors.update(job.copy.block_ids)
 
     def start_loads(self, async_loads: Sequence[LoadJob] = ()) -> None:
         """Issue the async loads, and on CUDA queue every layer's loads."""
@@ -335,8 +337,8 @@ class KVDataPath:
             self._fail_load(job)
 
     def _fail_load(self, job: LoadJob) -> None:
-        self._failed_loads.add(job.req_id)
         self._load_errors.update(job.copy.block_ids)
+        self.fail_request(job.req_id)
 
     def _reads_garbage(self, job: LoadJob) -> bool:
         if self._garbage_pages.isdisjoint(job.copy.page_ids):
