@@ -5,7 +5,11 @@ Prefetch (L3 -> L2): pages are read in batches of ``BATCH_PAGES``; progress is
 the count of leading pages verified and written, reported every step until
 the op finishes (a short batch ends it); with the finishing report goes the
 op's ``PrefetchTiming`` (queued, reading, checking: durations on this
-worker's clock). Backup (L2 -> L3): objects L3 already
+worker's clock). A same-step read on CPU (``by_layer``, l3/same_step.py)
+is one layered read of the whole job where the store can
+(``PageStore.read_by_layer``): each layer's pages are published as they
+land (``wait_layer``), unverified, and the verified count when it ends.
+Backup (L2 -> L3): objects L3 already
 has are skipped (``exists_prefix``), the rest written; the op is acknowledged
 when done, successful or not (a failed write is just a later miss). On CUDA a
 backup first waits for the L1 -> L2 copy that produced its pages.
