@@ -35,7 +35,12 @@ length, protection, checksum/MAC/tag); the result is the number of leading
 pages read successfully (a prefix: L2 stays prefix-closed). An object that
 the backend returned but that does not verify (corrupt, forged, or written
 with another secret) is a miss, counted in ``invalid_objects`` and logged at
-most once a minute. The seconds spent opening objects are kept per calling
+most once a minute. ``read_by_layer`` (a backend with byte-range reads, a
+layer-major payload in clear) is the one read whose bytes reach the pool
+before their check: layer by layer into one staging buffer and the pool,
+the checks after the last layer on the staged bytes; its result is still
+the verified prefix, and its caller fails whatever it copied beyond it
+(l3/same_step.py). The seconds spent opening objects are kept per calling
 thread (``take_check_seconds``), so the L3 reader can tell checking from
 reading (l3/hit_stages.py).
 """
