@@ -114,6 +114,7 @@ bench: $(STAMP) $(MODEL)/.complete $(DEMO_MODEL)/.complete bench-micro
 	$(PY) benchmarks/bench_scale.py --model $(MODEL) --plot docs/img/bench_scale.png
 	$(PY) benchmarks/bench_l3_file.py
 	$(PY) benchmarks/bench_l3_seal.py
+	$(PY) benchmarks/bench_l3_read_layouts.py
 	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_redis.py
 	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_mooncake.py
 	$(PY) benchmarks/bench_l3_nixl.py
