@@ -24,7 +24,8 @@ when it is pinned (a same-step L3 read, l3/same_step.py, allocates inside a
 lookup, before that request's own match: vLLM pairs each lookup with its
 update_state_after_alloc in one iteration, so every earlier hit is pinned by
 then). A copy the workers report as failed takes its page (and
-what hangs below it) out of the index, so it is never a hit again.
+what hangs below it) out of the index, so it is never a hit again
+(failed_copies.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_hicache.common.events import MEDIUM_L2, EventLog
@@ -52,7 +53,7 @@ from vllm_hicache.common.stats import HiCacheStats, SchedulerReport, key, overla
 from vllm_hicache.config import HiCacheConfig, LoadMode
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.metadata import HiCacheMetadata, HiCacheWorkerMetadata
-from vllm_hicache.connector.vllm_compat import drop_l1_blocks, l1_has_block
+from vllm_hicache.connector.vllm_compat import l1_has_block
 from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import loadable_block_limit
@@ -63,6 +64,7 @@ from vllm_hicache.policy.same_step import check_same_step_policy
 from vllm_hicache.policy.stop_budget import stop_budget
 from vllm_hicache.policy.write import WritePolicy, WritePolicyName, hit_counter_slots
 from vllm_hicache.scheduler.access_log import open_access_log
+from vllm_hicache.scheduler.failed_copies import FailedCopies
 from vllm_hicache.scheduler.graceful_stop import GracefulStop
 from vllm_hicache.scheduler.group_blocks import GroupBlocks
 from vllm_hicache.scheduler.hit_timer import HitStageTimer
@@ -158,6 +160,8 @@ class HiCacheScheduler:
         # dropped by request_finished.
         self._reqs: dict[str, ReqState] = {}
         self.ops = PageOps(self.tree)
+        # What the workers' failed copies leave wrong, dropped (failed_copies.py).
+        self.failed_copies = FailedCopies(self.tree, self.ops, self.stats, self._reqs)
         # The step being scheduled; build_connector_meta ends it.
         self._step = 0
         # has_pending_work: live-op count last seen, and since when.
@@ -512,9 +516,7 @@ class HiCacheScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.load_gate.step_done(output.kv_connector_stats)
-        failed_reqs = getattr(output, "failed_recving", None)
-        if failed_reqs:
-            self._drop_failed_loads(failed_reqs)
+        self.failed_copies.drop_failed_requests(output)
         for req_id in output.finished_recving or ():
             op = self._inflight.finish(req_id)
             if op is not None:
@@ -529,44 +531,7 @@ class HiCacheScheduler:
             self.storage_control.on_worker_meta(meta)  # a replaced backend's late reports
             if meta.storage_acks:
                 self.storage_control.on_acks(meta.storage_acks)
-        failed_pages = meta.failed_store_pages if meta is not None else set()
-        if output.invalid_block_ids or failed_pages:
-            self._drop_failed(set(output.invalid_block_ids or ()), failed_pages)
-
-    def _drop_failed(self, l1_blocks: set[int], pages: set[int]) -> None:
-        """Copies failed: the pages involved must never be hits again (a
-        failed load means the page is unreadable, a failed store that it
-        holds garbage); vLLM recomputes the blocks."""
-        self.stats.record_load_errors(len(l1_blocks))
-        for chain in list(self.ops.recent_uses(l1_blocks=l1_blocks, pages=pages)):
-            self.stats.record_invalidated(self.tree.invalidate(chain, len(chain) - 1))
-        if l1_blocks and self._block_pool is not None:
-            # Under kv_load_failure_policy=recompute vLLM keeps the failed
-            # blocks (and those computed on top of them) in its prefix cache
-            # until the request recomputes them: any request scheduled
-            # meanwhile would hit them, and we would store what it read.
-            drop_l1_blocks(self._block_pool, self._blocks_from_first_failure(l1_blocks))
-
-    def _drop_failed_loads(self, req_ids: Set[str]) -> None:
-        """Async loads failed as a whole (hybrid models report failures per
-        request): their pages must never be hits again; vLLM recomputes."""
-        for op in self.ops.live(OpKind.ASYNC_LOAD):
-            if op.req_id in req_ids:
-                rng = op.ranges[0]
-                self.stats.record_load_errors(len(rng.blocks))
-                first = rng.blocks[0]
-                self.stats.record_invalidated(self.tree.invalidate(rng.chain[: first + 1], first))
-
-    def _blocks_from_first_failure(self, l1_blocks: set[int]) -> set[int]:
-        """The failed blocks, and every later block of the requests that own
-        them (computed this step over the missing KV)."""
-        doomed = set(l1_blocks)
-        for state in self._reqs.values():
-            ids = state.block_ids
-            first = next((i for i, b in enumerate(ids) if b in l1_blocks), None)
-            if first is not None:
-                doomed.update(ids[first:])
-        return doomed
+        self.failed_copies.drop_failed_copies(output, meta)
 
     def _record(self, request: Request) -> ReqState:
         """The request's record; the one place one is made (vLLM announces
@@ -668,6 +633,7 @@ class HiCacheScheduler:
     def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
         self._block_pool = block_pool
         self._groups.bind(block_pool)
+        self.failed_copies.bind(block_pool)
         if self.cfg.hicache_write_policy == WritePolicyName.WRITE_BACK:
             self.write_backs.watch(block_pool)
 
