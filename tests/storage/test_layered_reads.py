@@ -130,6 +130,7 @@ def test_a_foreign_or_truncated_object_fails_before_its_first_layer(make_pages, 
     good, seen = read_by_layer(pages)
     assert good == 1
     assert seen.calls == [(layer, 1) for layer in range(NUM_LAYERS)]
+    assert pages.invalid_objects == (damage == "foreign")  # a truncated one is a miss
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])

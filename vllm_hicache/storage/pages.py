@@ -62,7 +62,7 @@ from vllm_hicache import io_threads
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.host.layout_names import MemLayout
 from vllm_hicache.keys import KeyNamespace
-from vllm_hicache.storage.base import StorageBackend
+from vllm_hicache.storage.base import RangedObjects, StorageBackend
 from vllm_hicache.storage.batching import chunks, map_slices
 from vllm_hicache.storage.counters import Counters
 from vllm_hicache.storage.format import (
@@ -239,11 +239,7 @@ class PageStore:
             flat = self._staging(n * size)
             objects = flat.reshape(n, size)
             headers = self._kept("headers", n * HEADER_BYTES).reshape(n, HEADER_BYTES)
-            # A header that is not what this reader expects fails its object
-            # now, before its layers reach L1 (the check proper comes last).
-            n = next((i for i in range(n) if not ranged.read(i, 0, headers[i])
-                      or fields_nonce(headers[i], keys[i], size, self.codec.protection) is None),
-                     n)
+            n = self._read_headers(ranged, keys, headers)
             for layer in range(layers):
                 begin = layer * layer_bytes
                 n = next((i for i in range(n) if not ranged.read(
@@ -260,6 +256,19 @@ class PageStore:
         if good < len(keys):
             logger.debug("L3 read by layer: %d of %d objects valid", good, len(keys))
         return good
+
+    def _read_headers(self, ranged: RangedObjects, keys: list[str], headers: np.ndarray) -> int:
+        """Read the opened objects' headers; the leading ones that are what
+        this reader expects. A header that is not fails its object now,
+        before any of its layers reaches L1 (the check proper comes last)."""
+        for i in range(len(headers)):
+            if not ranged.read(i, 0, headers[i]):
+                return i
+            if fields_nonce(headers[i], keys[i], self.payload_bytes,
+                            self.codec.protection) is None:
+                self._note_invalid(keys[i])
+                return i
+        return len(headers)
 
     def take_check_seconds(self) -> float:
         """Seconds this thread's reads spent opening objects since its last take."""
