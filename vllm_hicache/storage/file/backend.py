@@ -20,6 +20,9 @@ Invariants:
 - A get is True only if the file is exactly as long as the caller's buffers
   and was read whole; a truncated or longer file is a miss. Buffers move with
   ``writev``/``preadv`` straight to and from the file, never concatenated.
+  ``open_ranged`` holds the files of one layered read open: a put that
+  replaces an object, or an eviction that unlinks it, meanwhile leaves the
+  open file as it was, so every range read comes from one version.
 - With ``max_bytes``, committed objects never exceed it (in-flight temp files
   come on top); least recently used objects are evicted whole, and an object
   larger than ``max_bytes`` is refused. All processes sharing a directory
@@ -126,14 +129,18 @@ class FileBackend(StorageBackend):
 
     def open_ranged(self, keys: Sequence[str], object_bytes: int) -> RangedObjects:
         fds: list[int] = []
-        for key in keys:
-            opened = self._open_object(key)
-            if opened is None:
-                break
-            if opened[1] != object_bytes:
-                os.close(opened[0])
-                break
-            fds.append(opened[0])
+        try:
+            for key in keys:
+                opened = self._open_object(key)
+                if opened is None:
+                    break
+                if opened[1] != object_bytes:
+                    os.close(opened[0])
+                    break
+                fds.append(opened[0])
+        except BaseException:
+            _FileRanges(fds).close()
+            raise
         self._counts.add(gets=len(keys), get_hits=len(fds), get_bytes=len(fds) * object_bytes)
         return _FileRanges(fds)
 
