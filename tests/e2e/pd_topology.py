@@ -67,12 +67,15 @@ from tests.ports import free_ports
 ROUTER = CLI.with_name("vllm-router")
 BLOCK = 32
 MODEL_VERSION = "pd-test-weights"
-BACKUP_WAIT_S = 30.0
+BACKUP_WAIT_S = 120.0  # returns once the count is steady: a slow disk only waits longer
 ROUTER_START_S = 60.0
 # A conversation's first request through the router holds prefill's first
 # forward and decode's NIXL handshake with prefill: 31 s on an idle 2-core
 # machine, past 60 s (test_serve's REQUEST_TIMEOUT_S) on a loaded CI one.
-ROUTER_REQUEST_TIMEOUT_S = 300.0
+# Requests to one server alone get as long: on a CI machine whose disk
+# stalled (a 13 s file-backend health probe, servers ready after 6.5 min),
+# prefill's 8-token answer took over 60 s.
+REQUEST_TIMEOUT_S = 300.0
 # Four servers start together on two shared cores (about a minute when idle):
 # on a loaded CI machine they can need much longer than one server alone.
 SERVER_START_S = 600.0
@@ -188,7 +191,7 @@ class Router:
         # Its Prometheus exporter listens too (by default on one fixed port).
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]
         self.client = Server("router", [], log_path, 0, port,
-                             request_timeout_s=ROUTER_REQUEST_TIMEOUT_S)
+                             request_timeout_s=REQUEST_TIMEOUT_S)
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -311,7 +314,8 @@ def run_pd_topology(model_dir: Path, tmp: Path, serve_args: list[str], page_byte
         argv = [str(CLI), "serve", str(model_dir)] + serve_args + list(extra)
         if config is not None:
             argv += ["--kv-transfer-config", _for_test(configs[config], l3_dir)]
-        return Server(name, argv, tmp / f"{name}.log", core, port)
+        return Server(name, argv, tmp / f"{name}.log", core, port,
+                      request_timeout_s=REQUEST_TIMEOUT_S)
 
     servers = {
         "reference": serve("reference", ports[0], cores[0], None),
