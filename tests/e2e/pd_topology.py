@@ -69,13 +69,6 @@ BLOCK = 32
 MODEL_VERSION = "pd-test-weights"
 BACKUP_WAIT_S = 120.0  # returns once the count is steady: a slow disk only waits longer
 ROUTER_START_S = 60.0
-# A conversation's first request through the router holds prefill's first
-# forward and decode's NIXL handshake with prefill: 31 s on an idle 2-core
-# machine, past 60 s (test_serve's REQUEST_TIMEOUT_S) on a loaded CI one.
-# Requests to one server alone get as long: on a CI machine whose disk
-# stalled (a 13 s file-backend health probe, servers ready after 6.5 min),
-# prefill's 8-token answer took over 60 s.
-REQUEST_TIMEOUT_S = 300.0
 # Four servers start together on two shared cores (about a minute when idle):
 # on a loaded CI machine they can need much longer than one server alone.
 SERVER_START_S = 600.0
@@ -190,8 +183,10 @@ class Router:
             argv[argv.index(flag) + 1] = value
         # Its Prometheus exporter listens too (by default on one fixed port).
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]
-        self.client = Server("router", [], log_path, 0, port,
-                             request_timeout_s=REQUEST_TIMEOUT_S)
+        # A conversation's first request holds prefill's first forward and
+        # decode's NIXL handshake with it: 31 s on an idle 2-core machine,
+        # within test_serve's REQUEST_TIMEOUT_S on a loaded one.
+        self.client = Server("router", [], log_path, 0, port)
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -314,8 +309,7 @@ def run_pd_topology(model_dir: Path, tmp: Path, serve_args: list[str], page_byte
         argv = [str(CLI), "serve", str(model_dir)] + serve_args + list(extra)
         if config is not None:
             argv += ["--kv-transfer-config", _for_test(configs[config], l3_dir)]
-        return Server(name, argv, tmp / f"{name}.log", core, port,
-                      request_timeout_s=REQUEST_TIMEOUT_S)
+        return Server(name, argv, tmp / f"{name}.log", core, port)
 
     servers = {
         "reference": serve("reference", ports[0], cores[0], None),

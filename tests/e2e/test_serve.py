@@ -47,7 +47,10 @@ CLI = Path(sys.executable).with_name("vllm-hicache")
 # cores; a failed start still ends at once (wait_healthy watches the process).
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
-REQUEST_TIMEOUT_S = 60.0
+# An 8-token answer takes about a second; on a CI machine whose disk stalled
+# (a 13 s health probe of the file L3) one took over 60 s. A server that
+# really hangs still fails the test, after this long.
+REQUEST_TIMEOUT_S = 300.0
 MAX_TOKENS = 8
 BLOCK = 32
 # L1 = 1 MiB of KV: 32 blocks of 32 tokens (as tests/e2e/engine_utils.py).
