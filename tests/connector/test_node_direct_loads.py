@@ -230,6 +230,43 @@ def test_a_page_evicted_between_lookup_and_load_is_recomputed(tiny_model_dir, sh
     assert_recomputed_from(b, mode, 3, errors, first, later)
 
 
+def test_what_a_step_computes_over_a_node_load_that_came_short_is_not_stored(
+        tiny_model_dir, shm_root):
+    """B's prompt runs two blocks past the published ones, and the fourth
+    published page leaves before B pins it: the step that admits B computes
+    its last blocks over KV that never arrived, so none of that step's
+    stores may become L2 content (they are dropped and un-indexed); vLLM
+    recomputes from the missing block, and the blocks are stored then."""
+    a, tier, keys = publish(tiny_model_dir, shm_root)
+    b = build(tiny_model_dir, shm_root, hicache_load_mode="layerwise")
+    data = b.worker.worker.data
+    dropped: list = []
+    mark_failed = data._mark_failed_stores
+
+    def record(stores):
+        dropped.append(list(stores.block_ids))
+        return mark_failed(stores)
+
+    data._mark_failed_stores = record
+    inner = b.worker.worker._node_loads.loader.begin
+
+    def evict_then_begin(hashes, block_ids):
+        page = tier.pin_pages([keys[3]])
+        tier.drop_page(page[0], "evicted by the test")
+        return inner(hashes, block_ids)
+
+    b.worker.worker._node_loads.loader.begin = evict_then_begin
+    longer = PROMPT[:PROMPT_BLOCKS * BLOCK] + list(range(5000, 5000 + 2 * BLOCK + 3))
+    b.add("b", longer, max_tokens=1)
+    first, later, errors = run_recording_recompute(b)
+    assert first == PROMPT_BLOCKS * BLOCK and later[:1] == [3 * BLOCK]
+    assert len(errors) == 2  # the fourth and fifth blocks
+    assert len(dropped) == 1 and len(dropped[0]) == 2  # the step's two computed blocks
+    # Stored when recomputed.
+    pages = b.sched_half.tree.match(b.hashes_of["b"].block_hashes[:7]).pages
+    assert pages[5] is not None and pages[6] is not None
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_hit_the_load_gate_declines_is_computed_and_counted_as_node(tiny_model_dir,
                                                                       shm_root, mode):

@@ -289,8 +289,9 @@ class HiCacheWorker:
                 self._node_loads = NodeLoadQueue(None, self.transfer_tensors[0].device)
             # In-step ones before the forward reads their blocks (vLLM calls
             # this hook before it when a step has synchronous loads).
-            self._node_load_errors |= self._node_loads.start_in_step(
-                [job for job in meta.node_loads if job.in_step])
+            short = self._node_loads.start_in_step([job for job in meta.node_loads if job.in_step])
+            self._node_load_errors |= short
+            self._path().fail_blocks(sorted(short))  # the step's stores would read them
             self._node_loads.submit([job for job in meta.node_loads if not job.in_step])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -320,10 +321,7 @@ class HiCacheWorker:
         if meta is None:
             return
         self._finish_streamed()  # pages copied unverified: checked before any store
-        if self._node_loads is not None:  # loads that failed after the forward used them
-            late = self._node_loads.finish_in_step()
-            self._node_load_errors |= late
-            self._path().fail_blocks(sorted(late))
+        self._finish_node_loads()
         self._path().after_forward(meta.stores)
         if meta.backups:
             ready = self._path().ready_event()
@@ -341,6 +339,17 @@ class HiCacheWorker:
         waited_s = streamed.blocked_s
         self._path().fail_blocks(streamed.finish())
         self.counters.add(key("l3_same_step_wait_seconds"), streamed.blocked_s - waited_s)
+
+    def _finish_node_loads(self) -> None:
+        """The step's in-step node-tier loads that came short become load
+        errors, and the step's stores are dropped (computed over missing
+        KV). Runs where ``_finish_streamed`` does, for the same reason."""
+        if self._node_loads is None:
+            return
+        failed = self._node_loads.finish_in_step()
+        if failed:
+            self._node_load_errors |= failed
+            self._path().fail_blocks(sorted(failed))
 
     def _without_garbage(self, job: BackupJob) -> BackupJob:
         """The backup minus pages whose store failed: an L3 object made from
@@ -362,6 +371,7 @@ class HiCacheWorker:
     def clear(self) -> None:
         self._meta = None
         self._finish_streamed()  # not left for a later step to miss
+        self._finish_node_loads()
         if self.data is not None:
             self.data.end_step()
 
@@ -462,6 +472,7 @@ class HiCacheWorker:
         if self.data is None or self._hybrid:
             return set()  # hybrid: reported per request (take_failed_recving)
         self._finish_streamed()
+        self._finish_node_loads()
         node_failed, self._node_load_errors = self._node_load_errors, set()
         return self.data.take_load_errors() | node_failed
 

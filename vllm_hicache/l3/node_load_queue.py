@@ -19,8 +19,14 @@ copies every layer at once (on the caller's stream, waited for). The
 blocks that did not receive their page, known before the forward or after
 it, are load errors of this step (``get_block_ids_with_load_errors``): vLLM
 cuts the request's computed tokens back to the first of them and
-recomputes from there; the worker drops the step's stores when a load
-failed after the forward had used its blocks.
+recomputes from there. Either way the forward computed the request's later
+blocks over KV that never arrived, so the worker drops the step's stores.
+
+The pins and checks stay on the forward's thread: run on the queue's
+thread beside the forward's first layer, they made a cross-instance hit
+slower (1.23 against 1.12 of an L2 hit, one ``bench_node_tier.py`` run each): the
+forward does little before its first attention layer, and the two threads
+took turns at the GIL.
 
 Without a loader (this rank cannot read the tier in place) every job fails
 at once, as a recompute. One loader serves both kinds, one job at a time.
@@ -130,7 +136,7 @@ class NodeLoadQueue:
         or the forward skipped a layer's hook, so it ran on KV not yet
         there). The forward used them: the caller drops the step's stores."""
         if not self._open:
-            return set()
+            return set()  # also a second call: the first closed them
         complete = self._layers_copied >= set(range(self._num_layers))
         if not complete:
             logger.warning("HiCache: layers %s of a node-tier load were not copied in time",
