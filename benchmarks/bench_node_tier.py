@@ -30,6 +30,9 @@ Measured, in this order:
    asks it again after emptying vLLM's own cache); the two alternate, and
    before each the third instance computes a token, so that neither is the
    process that ran last (whose weights the CPU's cache still holds).
+   Each kind of hit's TTFT is also split into its wait in the engine before
+   the step that admits it and that step up to the first token (vLLM's
+   request metrics), which tells scheduling from the step's own work.
 
 Every answer must equal vLLM alone's (exit status 1 otherwise). Timings on a
 machine shared with other jobs are noisy: read the ratios.
@@ -183,6 +186,9 @@ def part_ttft(plan: P.Plan, fleet: dict[str, list[Instance]], asked: list[dict])
     a, b, other = fleet[NODE]
     docs = P.documents(dataclasses.replace(plan, docs=max(plan.docs, plan.ttft_trials)), "ttft")
     l2, cross, cold = [], [], []
+    # Per hit: (waiting in the engine before the step that admits it, that
+    # step up to the first token), to tell scheduling from the step's work.
+    parts: dict[str, list[tuple[float, float]]] = {"L2": [], "node": []}
     short: list[str] = []  # hits that did not serve the whole document
     hits_before, reads_before = tier_hits([b])
     for t, doc in enumerate(docs[: plan.ttft_trials]):
@@ -203,11 +209,12 @@ def part_ttft(plan: P.Plan, fleet: dict[str, list[Instance]], asked: list[dict])
                 short.append(f"trial {t}, {kind} hit: {got['cached']} of "
                              f"{P.reusable_tokens(len(got['prompt']))} tokens")
             (l2 if kind == "L2" else cross).append(got["ttft_s"])
+            parts[kind].append((got["queue_s"], got["run_s"]))
             asked.append(got)
         a.call("settle")
         b.call("settle")
     hits_after, reads_after = tier_hits([b])
-    return {"l2": l2, "cross": cross, "cold": cold, "short": short,
+    return {"l2": l2, "cross": cross, "cold": cold, "short": short, "parts": parts,
             "b_by_tier": {k: v - hits_before.get(k, 0) for k, v in hits_after.items()},
             "b_node_reads": reads_after - reads_before}
 
@@ -238,6 +245,14 @@ def hit_path(by_tier: dict[str, float], reads: float) -> str:
         return ("segment -> private L2 -> L1 (the tier's pages are prefetched into L2 and "
                 "counted as L3 hits)")
     return f"hit tokens by tier {by_tier} (node-tier page reads {reads:.0f})"
+
+
+def ttft_parts(label: str, parts: list[tuple[float, float]]) -> str:
+    """Where a kind of hit's TTFT went: engine wait, then its step."""
+    queue = P.median([q for q, _ in parts]) * 1e3
+    run = P.median([r for _, r in parts]) * 1e3
+    return (f"  {label}: waiting before the step that admits it {queue:.1f} ms, that step "
+            f"to the first token {run:.1f} ms (medians)")
 
 
 def report(plan: P.Plan, hit: dict, mem: dict, ttft: dict, differ: int, total: int) -> list[str]:
@@ -284,6 +299,8 @@ def report(plan: P.Plan, hit: dict, mem: dict, ttft: dict, differ: int, total: i
         f"(node-tier hit), alternating:",
         f"  same-instance L2 hit median {l2_med * 1e3:.1f} ms; cross-instance hit median "
         f"{cross_med * 1e3:.1f} ms",
+        *(ttft_parts(label, ttft["parts"][kind])
+          for kind, label in (("L2", "L2 hit"), ("node", "cross-instance hit"))),
         f"  B's hits were served by: {hit_path(ttft['b_by_tier'], ttft['b_node_reads'])}",
         f"  hits short of the whole document: {'; '.join(ttft['short']) or 'none'}",
         "",
