@@ -155,9 +155,14 @@ def test_the_report_states_every_target_as_a_ratio():
     mem = {bench.ALONE: alone, bench.NODE: alone + s, bench.SMALL: alone + s,
            bench.LARGE: alone + 3 * s, "node tier files": s}
     ttft = {"l2": [0.10, 0.12], "cross": [0.11, 0.12], "cold": [0.5, 0.5],
-            "b_by_tier": {"L3": 768.0}, "b_node_reads": 24.0, "short": []}
+            "b_by_tier": {"L3": 768.0}, "b_node_reads": 24.0, "short": [],
+            "parts": {"L2": [(0.0, 0.09), (0.002, 0.11)], "node": [(0.001, 0.1), (0.001, 0.12)]}}
     text = "\n".join(bench.report(plan, hit, mem, ttft, differ=0, total=10))
     assert "cross-instance hit TTFT / same-instance L2 hit TTFT: 1.05" in text
+    assert ("L2 hit: waiting before the step that admits it 1.0 ms, that step to the first "
+            "token 100.0 ms (medians)") in text
+    assert ("cross-instance hit: waiting before the step that admits it 1.0 ms, that step to "
+            "the first token 110.0 ms (medians)") in text
     assert "node tier's hit rate: 95.0% of the reusable tokens (private L2 of S/3: 0.0%)" in text
     assert "node tier / three private L2s of S: 0.33; node tier 1.00 x S" in text
     assert "answers identical to vLLM alone: yes (10 requests)" in text
