@@ -209,21 +209,27 @@ def test_a_slot_corrupted_after_sealing_is_recomputed_not_used(tiny_model_dir, s
     assert_recomputed_from(b, mode, 2, errors, first, later)
 
 
+def evict_before_pin(b, tier, key: bytes) -> None:
+    """B's loads find ``key``'s page evicted from the tier: it leaves after
+    the scheduler's lookup, just before the worker pins the load's pages."""
+    inner = b.worker.worker._node_loads.loader.begin
+
+    def evict_then_begin(hashes, block_ids):
+        page = tier.pin_pages([key])
+        tier.drop_page(page[0], "evicted by the test")
+        return inner(hashes, block_ids)
+
+    b.worker.worker._node_loads.loader.begin = evict_then_begin
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_page_evicted_between_lookup_and_load_is_recomputed(tiny_model_dir, shm_root,
                                                               mode):
     a, tier, keys = publish(tiny_model_dir, shm_root)
     b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
     seen = watch_loads(b)
-    inner = b.worker.worker._node_loads.loader.begin
-
-    def evict_then_begin(hashes, block_ids):
-        # The scheduler found all five; the fourth leaves before the worker pins it.
-        page = tier.pin_pages([keys[3]])
-        tier.drop_page(page[0], "evicted by the test")
-        return inner(hashes, block_ids)
-
-    b.worker.worker._node_loads.loader.begin = evict_then_begin
+    # The scheduler found all five; the fourth leaves before the worker pins it.
+    evict_before_pin(b, tier, keys[3])
     b.add("b", PROMPT, max_tokens=1)
     first, later, errors = run_recording_recompute(b)
     assert seen == [(PROMPT_BLOCKS, 3, [True] * 3)]
@@ -248,14 +254,7 @@ def test_what_a_step_computes_over_a_node_load_that_came_short_is_not_stored(
         return mark_failed(stores)
 
     data._mark_failed_stores = record
-    inner = b.worker.worker._node_loads.loader.begin
-
-    def evict_then_begin(hashes, block_ids):
-        page = tier.pin_pages([keys[3]])
-        tier.drop_page(page[0], "evicted by the test")
-        return inner(hashes, block_ids)
-
-    b.worker.worker._node_loads.loader.begin = evict_then_begin
+    evict_before_pin(b, tier, keys[3])
     longer = PROMPT[:PROMPT_BLOCKS * BLOCK] + list(range(5000, 5000 + 2 * BLOCK + 3))
     b.add("b", longer, max_tokens=1)
     first, later, errors = run_recording_recompute(b)

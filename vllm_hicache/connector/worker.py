@@ -289,9 +289,8 @@ class HiCacheWorker:
                 self._node_loads = NodeLoadQueue(None, self.transfer_tensors[0].device)
             # In-step ones before the forward reads their blocks (vLLM calls
             # this hook before it when a step has synchronous loads).
-            short = self._node_loads.start_in_step([job for job in meta.node_loads if job.in_step])
-            self._node_load_errors |= short
-            self._path().fail_blocks(sorted(short))  # the step's stores would read them
+            self._node_loads_short(
+                self._node_loads.start_in_step([job for job in meta.node_loads if job.in_step]))
             self._node_loads.submit([job for job in meta.node_loads if not job.in_step])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -344,12 +343,15 @@ class HiCacheWorker:
         """The step's in-step node-tier loads that came short become load
         errors, and the step's stores are dropped (computed over missing
         KV). Runs where ``_finish_streamed`` does, for the same reason."""
-        if self._node_loads is None:
-            return
-        failed = self._node_loads.finish_in_step()
-        if failed:
-            self._node_load_errors |= failed
-            self._path().fail_blocks(sorted(failed))
+        if self._node_loads is not None:
+            self._node_loads_short(self._node_loads.finish_in_step())
+
+    def _node_loads_short(self, blocks: set[int]) -> None:
+        """In-step node-tier loads left ``blocks`` without their page: load
+        errors, and the step's stores (computed over them) are dropped."""
+        if blocks:
+            self._node_load_errors |= blocks
+            self._path().fail_blocks(sorted(blocks))
 
     def _without_garbage(self, job: BackupJob) -> BackupJob:
         """The backup minus pages whose store failed: an L3 object made from
