@@ -1,19 +1,29 @@
-"""Shared fixtures: config builders, the local tiny model, and a tmpfs
-directory for a node tier."""
+"""Shared fixtures: config builders, the local tiny model, a tmpfs
+directory for a node tier, and the close of every connector harness a test
+made (its threads would otherwise run, and probe stores, for the rest of the
+session)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.tmpfs import tmpfs_dir
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
+
+
+@pytest.fixture(autouse=True)
+def _close_harnesses() -> Iterator[None]:
+    yield
+    # Only where a test imported it: pure tests never load vLLM for this.
+    harness = sys.modules.get("tests.connector.harness")
+    if harness is not None:
+        harness.close_open_harnesses()
 
 
 def make_config(**overrides):
@@ -43,7 +53,5 @@ def tiny_gemma3_dir() -> Path:
 def node_root() -> Iterator[str]:
     """A fresh tmpfs directory for a node tier (its own directory goes
     inside), removed after the test."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    root = tempfile.mkdtemp(prefix="hicache-node-test-", dir=base)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with tmpfs_dir("hicache-node-test-") as root:
+        yield str(root)

@@ -4,12 +4,9 @@ at all; bad values and stray keys refused by name."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import pytest
 
+from tests.tmpfs import tmpfs_dir
 from vllm_hicache.config import HiCacheConfig
 from vllm_hicache.l3.node_backend import build_backend
 from vllm_hicache.storage import StorageContext
@@ -22,10 +19,8 @@ MB = 1 << 20
 
 @pytest.fixture
 def shm():
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="hicache-node-cfg-", dir=base)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with tmpfs_dir("hicache-node-cfg-") as path:
+        yield str(path)
 
 
 def test_off_by_default():

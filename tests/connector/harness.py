@@ -66,6 +66,13 @@ class Harness:
     def sched_half(self):
         return self.scheduler.connector.scheduler
 
+    def close(self) -> None:
+        """Shut both connector halves down in vLLM's teardown order (worker,
+        then scheduler): their L3 threads, health checks and stores end with
+        the test that made them. Idempotent, like the connector's shutdown."""
+        self.worker.shutdown()
+        self.scheduler.connector.shutdown()
+
     # --- requests --------------------------------------------------------
 
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 3, priority: int = 0,
@@ -196,6 +203,17 @@ def expected_value(req: Request, pos: int, layer: int, plane: int) -> float:
     return float(int.from_bytes(digest, "little") % 4093)
 
 
+# Harnesses made and not yet closed: the root conftest closes them after each
+# test (``close_open_harnesses``), so no test leaves threads behind that
+# probe a store every second for the rest of the session.
+_OPEN: list[Harness] = []
+
+
+def close_open_harnesses() -> None:
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
                  max_batched: int = 256, load_failure_policy: str = "recompute",
                  kv_role: str = "kv_both", shutdown_timeout: int = 0,
@@ -231,4 +249,6 @@ def make_harness(model_dir, *, num_blocks: int = 64, max_num_seqs: int = 8,
     worker = HiCacheConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     kv = {n: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE) for n in names}
     worker.register_kv_caches(kv)
-    return Harness(scheduler, worker, kv)
+    harness = Harness(scheduler, worker, kv)
+    _OPEN.append(harness)
+    return harness

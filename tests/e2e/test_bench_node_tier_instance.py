@@ -5,10 +5,7 @@ benchmark waiting."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_node_tier as bench  # noqa: E402
 from node_tier import plan as P  # noqa: E402
 from node_tier.fleet import Instance, InstanceError  # noqa: E402
+
+from tests.tmpfs import tmpfs_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -38,10 +37,7 @@ def test_an_instance_that_cannot_start_says_why(tmp_path):
         inst.stop()
 
 
-def test_a_node_tier_instance_answers_and_counts_its_hits(tiny_model_dir, tmp_path):
-    plan = P.quick(bench.page_bytes(tiny_model_dir))
-    root = tempfile.mkdtemp(prefix="hicache-node-bench-",
-                            dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+def _run_node_instance(tiny_model_dir, tmp_path, plan, root: str) -> Instance:
     inst = Instance("node", spec(tiny_model_dir, plan, bench.extras(plan, root)[bench.NODE]),
                     tmp_path / "logs")
     try:
@@ -62,5 +58,11 @@ def test_a_node_tier_instance_answers_and_counts_its_hits(tiny_model_dir, tmp_pa
         assert bench.ask(inst, doc + P.question(plan, 2))["answer"] == again["answer"]
     finally:
         inst.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    return inst
+
+
+def test_a_node_tier_instance_answers_and_counts_its_hits(tiny_model_dir, tmp_path):
+    plan = P.quick(bench.page_bytes(tiny_model_dir))
+    with tmpfs_dir("hicache-node-bench-") as root_dir:
+        inst = _run_node_instance(tiny_model_dir, tmp_path, plan, str(root_dir))
     assert inst.proc.returncode == 0

@@ -7,9 +7,6 @@ tier had (L3Planner.node_range)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 
 import numpy as np
@@ -17,6 +14,7 @@ import pytest
 
 from tests.conftest import make_config
 from tests.l3.test_removals import HASHES, ns, of
+from tests.tmpfs import tmpfs_dir
 from vllm_hicache.common.events import MEDIUM_L3, MEDIUM_NODE, EventLog
 from vllm_hicache.common.node_counts import NodeTierCounts
 from vllm_hicache.common.page_ops import PageOps
@@ -104,13 +102,11 @@ def test_with_a_secret_only_blocks_noted_here_are_named():
 
 @pytest.fixture
 def chain():
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    root = tempfile.mkdtemp(prefix="hicache-node-events-", dir=base)
-    tier = NodeTier.join("chat", "events-test", 64 * 4160, 4160, root=root)
-    backend = NodeChainBackend({}, StorageContext("scheduler", 0, 2, 4160), tier=tier)
-    yield backend
-    backend.close()
-    shutil.rmtree(root, ignore_errors=True)
+    with tmpfs_dir("hicache-node-events-") as root:
+        tier = NodeTier.join("chat", "events-test", 64 * 4160, 4160, root=str(root))
+        backend = NodeChainBackend({}, StorageContext("scheduler", 0, 2, 4160), tier=tier)
+        yield backend
+        backend.close()
 
 
 def make_planner(backend):

@@ -3,6 +3,7 @@ in-process store (tests/connector/mem_backend.py)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -237,3 +238,27 @@ def test_empty_steps_pause_while_a_request_waits_on_l3(tiny_model_dir, monkeypat
         else:
             time.sleep(0.002)  # c's own lookup is still running
     assert busy_steps > 0 and not h.scheduler.has_unfinished_requests()
+
+
+def test_a_shutdown_ends_every_thread_it_started_and_a_second_is_a_no_op(tiny_model_dir,
+                                                                         caplog):
+    """vLLM may shut a connector down twice (an engine's teardown, then its
+    owner's close); both halves' L3 threads (health checks, lookups, reads,
+    writes) end with the first, within a bound, and the second does nothing
+    (no second drain, no second last line)."""
+    before = set(threading.enumerate())
+    h, store = l3_harness(tiny_model_dir)
+    h.add("r", prompt(0, 3 * BLOCK))
+    h.run()
+    started = {t for t in threading.enumerate() if t.name.startswith("hicache")} - before
+    assert {t.name.rstrip("0123456789_-") for t in started} >= {
+        "hicache-l3-health", "hicache-lookup", "hicache-l3w"}
+    with caplog.at_level(logging.INFO, logger="vllm_hicache"):
+        h.close()
+        h.close()
+    drains = [r for r in caplog.records if "HiCache L3: shutdown drained" in r.getMessage()]
+    assert len(drains) == 1, [r.getMessage() for r in caplog.records]
+    deadline = time.monotonic() + 5.0
+    while any(t.is_alive() for t in started) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not [t.name for t in started if t.is_alive()]

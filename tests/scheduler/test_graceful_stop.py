@@ -124,6 +124,7 @@ def test_a_tripped_breaker_does_not_keep_the_stop_waiting(tiny_model_dir):
     flag[0] = True
     assert half.has_pending_work()  # the store is in use: the backlog keeps it stepping
     assert stop.has_l2_only(planner)
+    planner.health.close()  # the real one's threads end here, not with the session
     planner.health = TrippedBreaker()
     planner.begin_step()  # what the next step does first
     assert not stop.has_l2_only(planner)

@@ -216,6 +216,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: HiCacheScheduler | None = None
         self.worker: HiCacheWorker | None = None
         self._admin_api = None  # the admin HTTP server (scheduler half, if configured)
+        self._shut_down = False
         if role == KVConnectorRole.SCHEDULER:
             parallel = vllm_config.parallel_config
             l3_factory = (functools.partial(build_planner, cfg, geom, vllm_config)
@@ -390,6 +391,11 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return self._work().worker_meta()
 
     def shutdown(self) -> None:
+        # vLLM may call it more than once (an engine's teardown, then an
+        # owner's close): the halves' threads and stores are closed once.
+        if self._shut_down:
+            return
+        self._shut_down = True
         if self._admin_api is not None:
             self._admin_api.stop()
         if self.worker is not None:
