@@ -85,6 +85,15 @@ def watch_loads(b):
     return seen
 
 
+def corrupt_after_sealing(tier, key: bytes) -> None:
+    """Flip a payload byte of ``key``'s slot; its seal still holds."""
+    found = tier.pin_pages([key])
+    tier.release_pages(found, 0, 0)
+    g = tier.geometry
+    mapping = np.frombuffer(tier.mapping(), np.uint8)
+    mapping[g.data_offset + found[0].slot * g.slot_stride + HEADER_BYTES + 8] ^= 0xFF
+
+
 MODES = ["layerwise", "async"]
 
 
@@ -194,11 +203,7 @@ def assert_recomputed_from(b, mode: str, good: int, errors: set[int], first: int
 def test_a_slot_corrupted_after_sealing_is_recomputed_not_used(tiny_model_dir, shm_root,
                                                                mode):
     a, tier, keys = publish(tiny_model_dir, shm_root)
-    found = tier.pin_pages(keys)
-    tier.release_pages(found, 0, 0)
-    g = tier.geometry
-    mapping = np.frombuffer(tier.mapping(), np.uint8)
-    mapping[g.data_offset + found[2].slot * g.slot_stride + HEADER_BYTES + 8] ^= 0xFF
+    corrupt_after_sealing(tier, keys[2])
     b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
     seen = watch_loads(b)
     b.add("b", PROMPT, max_tokens=1)
@@ -236,13 +241,15 @@ def test_a_page_evicted_between_lookup_and_load_is_recomputed(tiny_model_dir, sh
     assert_recomputed_from(b, mode, 3, errors, first, later)
 
 
+@pytest.mark.parametrize("cause", ["evicted", "corrupt"])
 def test_what_a_step_computes_over_a_node_load_that_came_short_is_not_stored(
-        tiny_model_dir, shm_root):
+        tiny_model_dir, shm_root, cause):
     """B's prompt runs two blocks past the published ones, and the fourth
-    published page leaves before B pins it: the step that admits B computes
-    its last blocks over KV that never arrived, so none of that step's
-    stores may become L2 content (they are dropped and un-indexed); vLLM
-    recomputes from the missing block, and the blocks are stored then."""
+    published page leaves before B pins it, or fails its object check: the
+    step that admits B computes its last blocks over KV that never arrived,
+    so none of that step's stores may become L2 content (they are
+    dropped and un-indexed); vLLM recomputes from that block, and the blocks
+    are stored then."""
     a, tier, keys = publish(tiny_model_dir, shm_root)
     b = build(tiny_model_dir, shm_root, hicache_load_mode="layerwise")
     data = b.worker.worker.data
@@ -254,7 +261,10 @@ def test_what_a_step_computes_over_a_node_load_that_came_short_is_not_stored(
         return mark_failed(stores)
 
     data._mark_failed_stores = record
-    evict_before_pin(b, tier, keys[3])
+    if cause == "evicted":
+        evict_before_pin(b, tier, keys[3])
+    else:
+        corrupt_after_sealing(tier, keys[3])
     longer = PROMPT[:PROMPT_BLOCKS * BLOCK] + list(range(5000, 5000 + 2 * BLOCK + 3))
     b.add("b", longer, max_tokens=1)
     first, later, errors = run_recording_recompute(b)
