@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.connector.harness import BLOCK, make_harness
+from tests.connector.harness import BLOCK, close_open_harnesses, make_harness
 from vllm_hicache.storage.format import HEADER_BYTES
 from vllm_hicache.storage.node_chain import node_key
 
@@ -29,26 +29,20 @@ PROMPT = list(range(1000, 1000 + PROMPT_BLOCKS * BLOCK + 3))
 @pytest.fixture
 def shm_root(node_root):
     """conftest's tmpfs directory; the instances built on it leave the tier
-    before node_root removes the directory."""
+    before node_root removes the directory (the root conftest's close of
+    every harness would come after it)."""
     yield node_root
-    for h in BUILT:
-        h.worker.shutdown()
-        h.scheduler.connector.shutdown()
-    BUILT.clear()
-
-
-BUILT: list = []
+    close_open_harnesses()
 
 
 def build(model_dir, root: str, max_num_seqs: int = 4, **l2):
     l2 = {"hicache_ratio": 2, **l2} if "hicache_size" not in l2 else l2
-    BUILT.append(make_harness(
+    return make_harness(
         model_dir, num_blocks=32, max_num_seqs=max_num_seqs, **l2,
         hicache_mem_layout="page_first_direct", node_tier_bytes=16 << 20,
         node_tier_name="direct", node_tier_root=root,
         hicache_storage_prefetch_policy="best_effort",
-        hicache_storage_backend_extra_config={"prefetch_threshold": BLOCK}))
-    return BUILT[-1]
+        hicache_storage_backend_extra_config={"prefetch_threshold": BLOCK})
 
 
 def publish(model_dir, root: str, prompt=PROMPT, **l2):
