@@ -66,6 +66,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--core", type=int, default=-1,
                    help="the CPU every server computes on (default: the last one allowed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--l3-root", type=Path, default=None,
+                   help="put the file L3's directories under DIR (default: beside the "
+                        "servers' logs, in --out): e.g. a tmpfs, to tell the store's "
+                        "medium from the code")
     p.add_argument("--report-only", type=Path, default=None,
                    help="redo report.md and the plots from a results.json")
     return p.parse_args()
@@ -103,7 +107,8 @@ def main() -> int:
     systems = [s for s in SYSTEMS if s.name in plan.systems]
     servers = {name: Server(specs[name], args.model, SERVED_NAME, plan.block_size,
                             block_bytes(args.model, plan.block_size), core, out / "servers",
-                            plan.max_model_len, plan.max_num_seqs, plan.max_batched_tokens)
+                            plan.max_model_len, plan.max_num_seqs, plan.max_batched_tokens,
+                            l3_root=args.l3_root)
                for name in dict.fromkeys(s.server for s in systems)}
     try:
         start_servers(plan, servers, systems, results)

@@ -1,16 +1,19 @@
 """Shared fixtures: config builders, the local tiny model, a tmpfs
-directory for a node tier, and the close of every connector harness a test
+directory for a node tier, the close of every connector harness a test
 made (its threads would otherwise run, and probe stores, for the rest of the
-session)."""
+session), and a check that no module leaves a ticking thread behind."""
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.threads import ticking_threads_outliving
 from tests.tmpfs import tmpfs_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,6 +27,18 @@ def _close_harnesses() -> Iterator[None]:
     harness = sys.modules.get("tests.connector.harness")
     if harness is not None:
         harness.close_open_harnesses()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ticking_threads_left() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    left = ticking_threads_outliving(before)
+    if left:
+        counts = ", ".join(f"{n} x {name}" for name, n in sorted(Counter(left).items()))
+        pytest.fail(f"ticking threads outlived this module: {counts}; shut down "
+                    "what started them (a connector harness closes itself, a planner, "
+                    "health monitor or node tier needs its close/shutdown)", pytrace=False)
 
 
 def make_config(**overrides):
