@@ -8,9 +8,12 @@ private pool (L2 -> L1) against ``NodeDirectLoader.load`` from the tier's
 segment (pin, seal checks, the copy, seal checks, unpin), in batches of
 ``--batch`` pages (one request's hit). "segment copy only" is the copy
 engine over the segment without the index (the pins) or the checks; it
-separates the copy from the tier's per-load costs. "direct, first load" includes the
-object check (xxh3 over each page, once per slot generation); "direct"
-is a later load of the same pages, as every further instance's hit is;
+separates the copy from the tier's per-load costs. "direct, first load" is
+a process's first load of the pages: checksum objects are trusted by their
+seals (their publisher checked them), so it is "direct" again; with
+``--secret`` (objects sealed with a MAC) it includes each process's MAC
+check of a slot, once per slot generation. "direct" is a later load of the
+same pages;
 "direct, in a step" the same with the pins released on another thread, as
 a load in the step that admits its request does (what the forward waits
 for).
@@ -59,6 +62,8 @@ from vllm_hicache.storage import StorageContext  # noqa: E402
 from vllm_hicache.storage.format import HEADER_BYTES  # noqa: E402
 from vllm_hicache.storage.node_chain import NodeChainBackend, node_key  # noqa: E402
 from vllm_hicache.storage.pages import PageStore  # noqa: E402
+from vllm_hicache.storage.sealing import make_codec  # noqa: E402
+from vllm_hicache.storage_secret import StorageSecret  # noqa: E402
 
 BLOCK, HEADS, HEAD_SIZE = 16, 8, 128
 DTYPE = torch.bfloat16
@@ -70,7 +75,8 @@ class Rig:
     membership of the tier at ``root`` with a PageStore writing into it."""
 
     def __init__(self, layers: int, num_blocks: int, num_pages: int, root: str,
-                 tier_bytes: int, device: str, l1: torch.Tensor | None = None) -> None:
+                 tier_bytes: int, device: str, l1: torch.Tensor | None = None,
+                 secret: bool = False) -> None:
         # As vLLM allocates them: one allocation, per-layer views; on CPU
         # [blocks, heads, block_size, 2 * head_size] (CPU_ATTN), on CUDA
         # [2, blocks, block_size, heads, head_size] (FLASH_ATTN).
@@ -96,7 +102,8 @@ class Rig:
                                   root=root)
         ctx = StorageContext("worker", 0, 1, object_bytes)
         ns = KeyNamespace("bench/model", "bfloat16", MEM_LAYOUT, BLOCK, 1, 0)
-        self.store = PageStore(NodeChainBackend({}, ctx, tier=self.tier), self.pool, ns)
+        codec = make_codec(StorageSecret(b"bench-node-load-secret-32-bytes!") if secret else None)
+        self.store = PageStore(NodeChainBackend({}, ctx, tier=self.tier), self.pool, ns, codec)
         self.loader = build_direct_loader(self.tier, self.store, self.layers, self.layouts,
                                           "direct")
 
@@ -118,7 +125,7 @@ def bandwidth(args: argparse.Namespace, root: str, device: str) -> None:
     n = args.pages
     page_bytes_guess = args.layers * 2 * BLOCK * HEADS * HEAD_SIZE * 2
     tier_bytes = (n + 8) * (page_bytes_guess + HEADER_BYTES + 4096)
-    rig = Rig(args.layers, n, n, root, tier_bytes, device)
+    rig = Rig(args.layers, n, n, root, tier_bytes, device, secret=args.secret)
     pool = rig.pool
     pool.buffer.view(torch.int16).random_()
     keys = hashes(n)
@@ -171,7 +178,7 @@ def bandwidth(args: argparse.Namespace, root: str, device: str) -> None:
     base = rows[0][1]
     print(f"\nbandwidth: {n} pages of {pool.bytes_per_page / 2**20:.2f} MiB, batches of "
           f"{args.batch}, L1 on {device}, torch threads {torch.get_num_threads()}, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}, objects sealed with {rig.store.codec.name}")
     print(f"{'path':<22}{'GB/s':>8}{'ratio':>8}")
     for name, gbs in rows:
         print(f"{name:<22}{gbs:>8.2f}{gbs / base:>8.2f}")
@@ -264,6 +271,9 @@ def main() -> None:
     ap.add_argument("--tier-mib", type=int, default=512)
     ap.add_argument("--staging-mib", type=int, default=8)
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--secret", action="store_true",
+                    help="seal the objects with a MAC (storage_secret): each process checks "
+                         "a slot on its first load of it")
     args = ap.parse_args()
     print("command:", shlex.join([sys.executable, *sys.argv]))
     device = "cuda" if torch.cuda.is_available() else "cpu"

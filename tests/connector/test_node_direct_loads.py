@@ -6,8 +6,8 @@ blocks as one direct load (no L2 page, no L3 prefetch), and every loaded
 block holds exactly the KV A computed. With ``hicache_load_mode=layerwise``
 the load runs within the step that admits the request, before its forward
 (as an L2 hit's does); with ``async`` the request waits for it. A page
-corrupted in the segment after sealing, or evicted between the lookup and
-the load, is not used: B recomputes from that block on (in the step's
+whose seal no longer names it (torn, foreign or refilled), or evicted
+between the lookup and the load, is not used: B recomputes from that block on (in the step's
 case, vLLM takes the load error and reschedules the request from there)."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.connector.harness import BLOCK, close_open_harnesses, make_harness
-from vllm_hicache.storage.format import HEADER_BYTES
+from vllm_hicache.node.segment import HEADER_BYTES as SEGMENT_HEADER_BYTES
+from vllm_hicache.node.segment import SLOT_HEADER_BYTES
 from vllm_hicache.storage.node_chain import node_key
 
 PROMPT_BLOCKS = 5
@@ -79,13 +80,13 @@ def watch_loads(b):
     return seen
 
 
-def corrupt_after_sealing(tier, key: bytes) -> None:
-    """Flip a payload byte of ``key``'s slot; its seal still holds."""
+def tear_seal(tier, key: bytes) -> None:
+    """Flip a generation bit in the seal of ``key``'s slot, as a torn or
+    foreign slot shows (the index still lists it)."""
     found = tier.pin_pages([key])
     tier.release_pages(found, 0, 0)
-    g = tier.geometry
     mapping = np.frombuffer(tier.mapping(), np.uint8)
-    mapping[g.data_offset + found[0].slot * g.slot_stride + HEADER_BYTES + 8] ^= 0xFF
+    mapping[SEGMENT_HEADER_BYTES + found[0].slot * SLOT_HEADER_BYTES] ^= 0x01
 
 
 MODES = ["layerwise", "async"]
@@ -133,6 +134,10 @@ def test_another_instance_loads_the_prefix_from_the_node_tier_directly(tiny_mode
     assert half.load_gate.decisions == {("node", "loaded"): PROMPT_BLOCKS * BLOCK}
     # Its arrival's probe of the node tier stood in for an L3 lookup.
     assert half.l3.lookups_started == 0
+    # B's loads trust the seals (A's PageStore checked the objects it sealed);
+    # what B itself promotes from a remote store is checked before sealing.
+    assert loader._check is None
+    assert b.worker.worker._io.pages.backend.promotion_check is not None
 
 
 def test_a_request_the_node_tier_no_longer_serves_when_scheduled_is_looked_up(
@@ -194,17 +199,16 @@ def assert_recomputed_from(b, mode: str, good: int, errors: set[int], first: int
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_slot_corrupted_after_sealing_is_recomputed_not_used(tiny_model_dir, shm_root,
-                                                               mode):
+def test_a_slot_whose_seal_is_torn_is_recomputed_not_used(tiny_model_dir, shm_root, mode):
     a, tier, keys = publish(tiny_model_dir, shm_root)
-    corrupt_after_sealing(tier, keys[2])
+    tear_seal(tier, keys[2])
     b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
     seen = watch_loads(b)
     b.add("b", PROMPT, max_tokens=1)
     first, later, errors = run_recording_recompute(b)
     assert seen == [(PROMPT_BLOCKS, 2, [True, True])]
     assert b.worker.worker._node_loads.loader.counts["refused"] == 1
-    # vLLM kept the two good blocks and recomputed from the corrupt one on.
+    # vLLM kept the two good blocks and recomputed from the torn one on.
     assert_recomputed_from(b, mode, 2, errors, first, later)
 
 
@@ -235,11 +239,11 @@ def test_a_page_evicted_between_lookup_and_load_is_recomputed(tiny_model_dir, sh
     assert_recomputed_from(b, mode, 3, errors, first, later)
 
 
-@pytest.mark.parametrize("cause", ["evicted", "corrupt"])
+@pytest.mark.parametrize("cause", ["evicted", "torn"])
 def test_what_a_step_computes_over_a_node_load_that_came_short_is_not_stored(
         tiny_model_dir, shm_root, cause):
     """B's prompt runs two blocks past the published ones, and the fourth
-    published page leaves before B pins it, or fails its object check: the
+    published page leaves before B pins it, or fails its seal check: the
     step that admits B computes its last blocks over KV that never arrived,
     so none of that step's stores may become L2 content (they are
     dropped and un-indexed); vLLM recomputes from that block, and the blocks
@@ -258,7 +262,7 @@ def test_what_a_step_computes_over_a_node_load_that_came_short_is_not_stored(
     if cause == "evicted":
         evict_before_pin(b, tier, keys[3])
     else:
-        corrupt_after_sealing(tier, keys[3])
+        tear_seal(tier, keys[3])
     longer = PROMPT[:PROMPT_BLOCKS * BLOCK] + list(range(5000, 5000 + 2 * BLOCK + 3))
     b.add("b", longer, max_tokens=1)
     first, later, errors = run_recording_recompute(b)

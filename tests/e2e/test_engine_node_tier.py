@@ -1,8 +1,11 @@
 """The node tier on real vLLM CPU engines: a prefix computed by one engine
 process is a node-tier hit for another engine on the same tier, loaded from
 the shared segment straight into vLLM's cache (no L2 staging), with the
-answers of a recomputation; pages corrupted after sealing are refused and
-recomputed; an engine on another tier name gets nothing.
+answers of a recomputation; the loaded KV is what the answers are made of
+(pages overwritten after sealing, seals intact, are loaded as they are,
+since their publisher checked them, and change the answers), pages whose
+seals do not hold are refused and recomputed; an engine on another tier
+name gets nothing.
 Visible: each engine publishes the NODE KV events of the changes it made
 (engine A the blocks it sealed, engine B, which loads them straight into
 vLLM's cache, none of the blocks it only read),
@@ -32,6 +35,8 @@ from tests.e2e.engine_utils import (
     scheduler_half,
     worker_half,
 )
+from vllm_hicache.node.segment import HEADER_BYTES as SEGMENT_HEADER_BYTES
+from vllm_hicache.node.segment import SLOT_HEADER_BYTES
 from vllm_hicache.storage.format import HEADER_BYTES
 
 pytestmark = pytest.mark.engine
@@ -68,14 +73,25 @@ def direct_loader():
     return queue.loader
 
 
-def corrupt_every_page(tier) -> int:
-    """Flip one payload byte of every sealed page, leaving its seal intact
-    (so only the object check can tell); how many."""
+def overwrite_every_payload(tier) -> int:
+    """Fill the payload of every sealed page with 0x46 bytes (float32
+    12689.6), leaving header and seal intact; how many pages."""
     g = tier.geometry
     mapping = np.frombuffer(tier.mapping(), np.uint8)
     sealed = tier._index.sealed()
     for page in sealed:
-        mapping[g.data_offset + page.slot * g.slot_stride + HEADER_BYTES + 8] ^= 0xFF
+        start = g.data_offset + page.slot * g.slot_stride + HEADER_BYTES
+        mapping[start:start + g.page_bytes - HEADER_BYTES] = 0x46
+    return len(sealed)
+
+
+def tear_every_seal(tier) -> int:
+    """Flip a generation bit of every sealed page's seal (a torn or foreign
+    slot, still listed by the index); how many."""
+    mapping = np.frombuffer(tier.mapping(), np.uint8)
+    sealed = tier._index.sealed()
+    for page in sealed:
+        mapping[SEGMENT_HEADER_BYTES + page.slot * SLOT_HEADER_BYTES] ^= 0x01
     return len(sealed)
 
 
@@ -160,15 +176,24 @@ def test_a_prefix_computed_by_another_engine_is_a_node_tier_hit(tiny_model_dir, 
         out, err = a.communicate(input="", timeout=120)
     assert a.returncode == 0 and "done" in out, err[-4000:]
 
-    # Negative control: every page corrupted after sealing (seals intact) is
-    # refused, not used: the answers are still a recomputation's.
+    # Negative control: the loaded KV is what B's answers are made of. Every
+    # payload overwritten after sealing, seals intact: loaded as it is (its
+    # publisher checked it; readers check seals), and the answers change.
     llm = make_llm(tiny_model_dir, extra)
     try:
         loader = direct_loader()
-        assert corrupt_every_page(loader.tier) > 0
+        assert overwrite_every_payload(loader.tier) > 0
+        outputs, _ = generate(llm, prompts)
+        assert loader.counts["pages"] > 0 and loader.counts["refused"] == 0
+        assert outputs != reference
+        # Seals that no longer hold are refused: a recomputation's answers
+        # (L1 and L2 emptied first, so that the node tier is asked again).
+        assert llm.reset_prefix_cache(reset_connector=True)
+        assert tear_every_seal(loader.tier) > 0
+        pages = loader.counts["pages"]
         outputs, _ = generate(llm, prompts)
         assert outputs == reference
-        assert loader.counts["refused"] > 0 and loader.counts["pages"] == 0
+        assert loader.counts["refused"] > 0 and loader.counts["pages"] == pages
     finally:
         close(llm)
 

@@ -2,9 +2,11 @@
 host/segment_pool.py): one instance publishes pages through its private L2
 as the connector does (L1 -> L2 -> PageStore -> node tier), another loads
 them from the shared segment into its L1 with its private L2 untouched;
-and every way a slot can be wrong (torn seal, corrupt payload, evicted,
-refilled during the copy, a failing copy) is fewer blocks loaded, never
-wrong KV, with no pin left behind."""
+and every way a slot can be wrong (torn seal, evicted, refilled during the
+copy, a failing copy, with a MAC a forged payload) is fewer blocks loaded,
+never wrong KV, with no pin left behind. Checksum objects are checked by
+their publisher, not again by each reader: an object promoted from the
+remote store that does not verify is never published."""
 
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from vllm_hicache.l3.node_loads import build_direct_loader
 from vllm_hicache.node import NodeTier
 from vllm_hicache.node.segment import HEADER_BYTES as SEGMENT_HEADER_BYTES
 from vllm_hicache.node.segment import SLOT_HEADER_BYTES
-from vllm_hicache.storage import StorageContext
+from vllm_hicache.storage import StorageContext, create_backend
 from vllm_hicache.storage.format import HEADER_BYTES
 from vllm_hicache.storage.node_chain import NodeChainBackend
+from vllm_hicache.storage.node_direct import promotion_check
 from vllm_hicache.storage.pages import PageStore
 from vllm_hicache.storage.sealing import ChecksumCodec, make_codec
 from vllm_hicache.storage_secret import StorageSecret
@@ -167,8 +170,33 @@ def test_a_prefix_stops_at_the_first_missing_page(pair):
     assert no_pins(b.tier)
 
 
-def test_a_corrupt_payload_after_sealing_is_refused_and_dropped(pair):
+@pytest.fixture(params=["page_first_direct", "page_first"])
+def mac_pair(request, node_root):
+    """``pair`` for objects sealed with a MAC (storage_secret)."""
+    codec = make_codec(StorageSecret(b"s" * 32))
+    a = Instance(node_root, request.param, codec=codec, seed=7)
+    b = Instance(node_root, request.param, codec=codec)
+    a.publish()
+    loader = build_direct_loader(b.tier, b.store, b.layers, b.layouts, "direct")
+    yield a, b, loader
+    loader.close()
+    b.close()
+    a.close()
+
+
+def test_checksum_objects_are_trusted_by_their_seal_not_hashed_again(pair, monkeypatch):
     a, b, loader = pair
+    opened = []
+    inner = ChecksumCodec.open
+    monkeypatch.setattr(ChecksumCodec, "open", lambda self, *args: opened.append(args[0]) or
+                        inner(self, *args))
+    assert loader.load(HASHES, DST_BLOCKS) == 5
+    assert_loaded(a, b, 5)
+    assert opened == []  # a's PageStore checked them when it published them
+
+
+def test_a_forged_payload_after_sealing_is_refused_and_dropped(mac_pair):
+    a, b, loader = mac_pair
     mapping = np.frombuffer(b.tier.mapping(), np.uint8)
     start = slot_start(b.tier, slot_of(b, 2)) + HEADER_BYTES + 100
     mapping[start] ^= 0xFF  # the node seal (its generation and key) still holds
@@ -253,8 +281,8 @@ def test_a_failing_copy_loads_nothing_and_releases_the_pins(pair):
     assert no_pins(b.tier)
 
 
-def test_a_slot_is_verified_once_per_generation(pair):
-    a, b, loader = pair
+def test_a_mac_slot_is_verified_once_per_generation(mac_pair):
+    a, b, loader = mac_pair
     calls = []
     check = loader._check
     loader._check = lambda *args: calls.append(1) or check(*args)
@@ -275,23 +303,72 @@ def test_mismatched_hashes_and_blocks_are_refused(pair):
     assert loader.load([], []) == 0
 
 
-def test_a_mac_store_loads_directly_and_refuses_forgeries(node_root):
-    secret = StorageSecret(b"s" * 32)
-    a = Instance(node_root, "page_first_direct", codec=make_codec(secret), seed=3)
-    b = Instance(node_root, "page_first_direct", codec=make_codec(secret))
+def test_a_mac_store_loads_directly_and_each_process_refuses_forgeries(mac_pair):
+    a, b, loader = mac_pair
+    assert loader.load(HASHES, DST_BLOCKS) == 5
+    assert_loaded(a, b, 5)
+    # A payload changed by someone without the secret: the MAC no longer
+    # matches. A slot is checked once per generation (like an L2 page,
+    # once read), so only a process that has not checked it yet refuses it.
+    mapping = np.frombuffer(b.tier.mapping(), np.uint8)
+    mapping[slot_start(b.tier, slot_of(b, 0)) + HEADER_BYTES] ^= 0xFF
+    assert loader.load(HASHES, DST_BLOCKS) == 5  # verified at this generation already
+    loader._verified.clear()  # a fresh process
+    assert loader.load(HASHES, DST_BLOCKS) == 0
+
+
+class CorruptingRemote:
+    """A file store that returns the object of one key with a payload byte
+    flipped (a damaged disk, or a writer without the secret)."""
+
+    def __init__(self, inner, bad_key: str) -> None:
+        self.inner, self.bad_key = inner, bad_key
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, keys, targets):
+        ok = self.inner.get(keys, targets)
+        for key, target, hit in zip(keys, targets, ok):
+            if hit and key == self.bad_key:
+                target[-1][100] ^= 0xFF
+        return ok
+
+
+@pytest.mark.parametrize("codec", ["checksum", "mac"])
+def test_a_remote_object_that_does_not_verify_is_never_promoted(node_root, tmp_path, codec):
+    """B reads A's pages from the remote store through its L2 (the node
+    tier lost them): what verifies is promoted and then loaded directly by
+    a reader that hashes nothing; the damaged third object is refused by
+    B's PageStore and kept out of the tier."""
+    secret = StorageSecret(b"s" * 32) if codec == "mac" else None
+    remote_dir = str(tmp_path / "l3")
+
+    def instance(seed=0):
+        inst = Instance(node_root, "page_first_direct", codec=make_codec(secret), seed=seed)
+        ctx = StorageContext("worker", 0, 1, inst.store.object_bytes)
+        remote = create_backend("file", {"path": remote_dir}, ctx)
+        inst.store.backend.remote = remote
+        return inst
+
+    a, b = instance(seed=5), instance()
     try:
         a.publish()
+        assert a.tier.clear() == 5  # only the remote store has them now
+        chain = b.store.backend
+        assert chain.promotion_check is None  # what build_storage_io installs:
+        chain.promotion_check = promotion_check(b.store)
+        bad = b.store.keys(HASHES)[2]
+        chain.remote = CorruptingRemote(chain.remote, bad)
+        assert b.store.read(HASHES, list(range(5))) == 2
+        assert b.store.invalid_objects == 1
+        stats = chain.stats()
+        assert (stats["node_tier_promotions"], stats["node_tier_promotions_refused"]) == (4, 1)
+        node_keys = [_node_key(b, i) for i in range(5)]
+        assert [b.tier.lookup([k]) for k in node_keys] == [1, 1, 0, 1, 1]
         loader = build_direct_loader(b.tier, b.store, b.layers, b.layouts, "direct")
-        assert loader.load(HASHES, DST_BLOCKS) == 5
-        assert_loaded(a, b, 5)
-        # A payload changed by someone without the secret: the MAC no longer
-        # matches. A slot is checked once per generation (like an L2 page,
-        # once read), so only a process that has not checked it yet refuses it.
-        mapping = np.frombuffer(b.tier.mapping(), np.uint8)
-        mapping[slot_start(b.tier, slot_of(b, 0)) + HEADER_BYTES] ^= 0xFF
-        assert loader.load(HASHES, DST_BLOCKS) == 5  # verified at this generation already
-        loader._verified.clear()  # a fresh process
-        assert loader.load(HASHES, DST_BLOCKS) == 0
+        assert loader.load(HASHES[:2], DST_BLOCKS[:2]) == 2
+        assert_loaded(a, b, 2)
         loader.close()
     finally:
         b.close()

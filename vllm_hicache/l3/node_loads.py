@@ -10,12 +10,13 @@ can and returns its length; vLLM recomputes the blocks after it. Per call:
    released. A page evicted since the scheduler's lookup, or whose owner
    died and was reclaimed, is simply not found: the prefix ends there.
 2. check each pinned slot before copying: its seal names the key at the
-   index's generation (else torn, foreign or refilled), and the object in
-   place opens (header, key, length, checksum or MAC) read-only. A slot
-   this process verified at this generation before is not hashed again: a
-   sealed slot's bytes change only with a new generation, which the seal
-   check catches (the same trust a private L2 page gets once read). A slot
-   that fails is dropped from the tier and ends the prefix.
+   index's generation (else torn, foreign or refilled). Checksum objects
+   are not hashed again: their publisher checked them (storage/node_direct.py
+   gives the rule). With a MAC, the object in place opens (header, key,
+   length, MAC) read-only, once per generation of the slot in this process:
+   a sealed slot's bytes change only with a new generation, which the seal
+   check catches. A slot that fails is dropped from the tier and ends the
+   prefix.
 3. copy the verified prefix with the ordinary copy engine over a
    ``SegmentKVPool`` (host/segment_pool.py), and wait for it (on CUDA too:
    the seals are checked and the pins dropped only after the DMA ended).
@@ -77,11 +78,12 @@ class NodeDirectLoader:
     ``transfer``: a copy engine (kernels.KVTransfer) whose pool is the
     tier's ``SegmentKVPool`` (page id = slot); ``object_keys``: block hashes
     -> object keys (``PageStore.keys``); ``check``: the read-only object
-    check (storage/node_direct.py); ``pool``: that SegmentKVPool, unpinned
-    by ``close``.
+    check of a slot's first read (storage/node_direct.py; None: seals
+    only); ``pool``: that SegmentKVPool, unpinned by ``close``.
     """
 
-    def __init__(self, tier: NodeTier, transfer, object_keys, check: ObjectCheck,
+    def __init__(self, tier: NodeTier, transfer, object_keys,
+                 check: ObjectCheck | None,
                  pool: SegmentKVPool | None = None, premap: bool = False) -> None:
         self.tier = tier
         self.transfer = transfer
@@ -202,8 +204,8 @@ class NodeDirectLoader:
 
     def _verifies(self, page: Found, key: str) -> bool:
         """The object in a slot whose seal names this page opens (checked
-        once per generation of the slot)."""
-        if self._verified.get(page.slot) == page.gen:
+        once per generation of the slot; always, without a check)."""
+        if self._check is None or self._verified.get(page.slot) == page.gen:
             return True
         start = self._data_offset_bytes + page.slot * self._slot_stride_bytes
         header = self._segment[start:start + HEADER_BYTES]

@@ -47,6 +47,8 @@ from vllm_hicache.policy.prefetch import prefetch_inflight_cap
 from vllm_hicache.policy.stop_budget import stop_budget
 from vllm_hicache.storage import StorageContext
 from vllm_hicache.storage.format import HEADER_BYTES
+from vllm_hicache.storage.node_chain import NodeChainBackend
+from vllm_hicache.storage.node_direct import promotion_check
 from vllm_hicache.storage.pages import PageStore
 from vllm_hicache.storage.sealing import make_codec
 from vllm_hicache.storage_config import StorageConfig
@@ -221,6 +223,8 @@ def build_storage_io(cfg: HiCacheConfig, geom: KVGeometry, vllm_config, pool,
     pages = PageStore(backend, pool, namespace(cfg, geom, vllm_config, tp_rank, pp_rank,
                                                page_format=actual), codec,
                       page_states=bool(geom.mamba_groups))
+    if isinstance(backend, NodeChainBackend):  # publish only what verifies
+        backend.promotion_check = promotion_check(pages)
     if tp_rank == 0 and pp_rank == 0:
         logger.info("HiCache L3: objects sealed with %s%s", codec.name,
                     "" if storage.secret is not None else

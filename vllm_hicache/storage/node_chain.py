@@ -18,7 +18,10 @@ Rules, per object key:
 - ``exists_prefix``: the node tier's prefix, continued in the remote store.
 - ``get``: from the node tier; what it misses, from the remote store, and
   each object read there is promoted into the node tier (the next instance
-  of the machine finds it there).
+  of the machine finds it there), once ``promotion_check`` (set by the
+  worker that owns the page store, storage/node_direct.py) passed it: a
+  corrupt or forged remote object is returned to the caller, whose own
+  check refuses it, and never published to the machine.
 - ``put``: into the node tier, then to the remote store only the objects
   this instance sealed first, or could not place in the node tier: a page
   the machine already has was sent (or is being sent) by the instance that
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -48,6 +51,7 @@ import numpy as np
 from vllm_hicache.node import NodeTier, NodeTierError
 from vllm_hicache.storage.base import Buffers, StorageBackend, StorageContext
 from vllm_hicache.storage.counters import Counters
+from vllm_hicache.storage.log_throttle import LogThrottle
 from vllm_hicache.storage.node_keys import EVICTED, PROMOTED, SEALED, node_key, tier_changes
 
 logger = logging.getLogger(__name__)
@@ -75,9 +79,13 @@ class NodeChainBackend(StorageBackend):
         self.tier = tier
         self.remote = remote
         self._object_bytes = ctx.object_bytes
-        self._counts = Counters("hits", "remote_hits", "promotions", "inserts", "evictions",
-                                 "remote_puts_skipped")
+        self._counts = Counters("hits", "remote_hits", "promotions", "promotions_refused",
+                                 "inserts", "evictions", "remote_puts_skipped")
+        # (object key, its buffers) -> whether a remote object may be
+        # promoted; None promotes what the remote store returned.
+        self.promotion_check: Callable[[str, Buffers], bool] | None = None
         self._scratch = threading.local()
+        self._refused_log = LogThrottle()
         # node key -> its last change here (node_keys.py), oldest first.
         self._changes: dict[bytes, str] = {}
         self._changes_lock = threading.Lock()
@@ -115,10 +123,27 @@ class NodeChainBackend(StorageBackend):
         self._counts.bump("remote_hits", len(fetched))
         for i in fetched:
             ok[i] = True
-        promoted = self._put_node([keys[i] for i in fetched], [targets[i] for i in fetched],
+        promote = self._promotable(keys, targets, fetched)
+        promoted = self._put_node([keys[i] for i in promote], [targets[i] for i in promote],
                                   PROMOTED)
         self._counts.bump("promotions", sum(1 for p in promoted if p))
         return ok
+
+    def _promotable(self, keys: list[str], targets: Sequence[Buffers],
+                    fetched: list[int]) -> list[int]:
+        """The remote objects (indices) that pass ``promotion_check``."""
+        check = self.promotion_check
+        if check is None:
+            return fetched
+        good = [i for i in fetched if check(keys[i], targets[i])]
+        refused = len(fetched) - len(good)
+        if refused:
+            self._counts.bump("promotions_refused", refused)
+            if self._refused_log.ready():
+                logger.warning("HiCache node tier: %d objects read from the remote store did "
+                               "not verify (corrupt, or written with another secret): not "
+                               "promoted (counted in node_tier_promotions_refused)", refused)
+        return good
 
     def _read_node(self, key: str, target: Buffers) -> bool:
         if sum(b.nbytes for b in target) != self._object_bytes:
@@ -219,8 +244,9 @@ class NodeChainBackend(StorageBackend):
             self.remote.clear()
 
     def counts(self) -> dict[str, float]:
-        """This process's counts (hits, remote_hits, promotions, inserts,
-        evictions, remote_puts_skipped) since it was built; no index query."""
+        """This process's counts (hits, remote_hits, promotions,
+        promotions_refused, inserts, evictions, remote_puts_skipped) since
+        it was built; no index query."""
         return self._counts.snapshot()
 
     def stats(self) -> dict[str, float]:
