@@ -11,7 +11,8 @@ or the canonical one (``--canonical``). Pages of the demo model (6 layers,
 
 For the layer-major layouts it also times ``PageStore.read_by_layer`` (the
 read a same-step L1 copy can follow layer by layer): when the first layer
-is in the pool, and when the whole read has ended, checks included.
+is in the pool, when the whole read has ended, checks included, and the
+reading thread's CPU time for it (what competes with a forward beside it).
 
 Run: .venv/bin/python benchmarks/bench_l3_read_layouts.py [--dir DIR] [--pages 48] [--reads 40]
 """
@@ -58,6 +59,7 @@ class ReadTimes(NamedTuple):
     nbytes: int                  # bytes one read brings in
     first_layer_s: float | None  # read_by_layer: median until layer 0 is in the pool
     by_layer_s: float | None     # read_by_layer: median of the whole call
+    by_layer_cpu_s: float | None  # read_by_layer: median CPU time of the reading thread
 
 
 def median_read_s(layout: str, root: str, args: argparse.Namespace) -> ReadTimes:
@@ -74,7 +76,7 @@ def median_read_s(layout: str, root: str, args: argparse.Namespace) -> ReadTimes
     hashes = [os.urandom(32) for _ in range(num)]
     if not all(store.write(hashes, list(range(num)))):
         raise SystemExit(f"{layout}: the write failed")
-    seconds, first_s, layered_s = [], [], []
+    seconds, first_s, layered_s, layered_cpu_s = [], [], [], []
     targets = list(range(num, 2 * num))
     for _ in range(args.reads):
         started = time.perf_counter()
@@ -85,17 +87,19 @@ def median_read_s(layout: str, root: str, args: argparse.Namespace) -> ReadTimes
         if not store.reads_by_layer:
             continue
         landed: list[float] = []
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         read = store.read_by_layer(hashes, targets,
                                    lambda layer, n: landed.append(time.perf_counter()))
         layered_s.append(time.perf_counter() - started)
+        layered_cpu_s.append(time.thread_time() - cpu_started)
         first_s.append(landed[0] - started)
         if read != num:
             raise SystemExit(f"{layout}: read by layer {read} of {num} pages")
     backend.close()
     return ReadTimes(statistics.median(seconds), num * pool.bytes_per_page,
                      statistics.median(first_s) if first_s else None,
-                     statistics.median(layered_s) if layered_s else None)
+                     statistics.median(layered_s) if layered_s else None,
+                     statistics.median(layered_cpu_s) if layered_cpu_s else None)
 
 
 def main() -> int:
@@ -108,7 +112,8 @@ def main() -> int:
                     f"({t.nbytes / t.whole_s / 1e9:.2f} GB/s)")
             if t.first_layer_s is not None and t.by_layer_s is not None:
                 line += (f"; by layer: first layer in {t.first_layer_s * 1e3:.2f} ms, "
-                         f"all in {t.by_layer_s * 1e3:.2f} ms")
+                         f"all in {t.by_layer_s * 1e3:.2f} ms, "
+                         f"CPU {(t.by_layer_cpu_s or 0) * 1e3:.2f} ms")
             print(line, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)

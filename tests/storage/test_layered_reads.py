@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,9 +18,10 @@ from vllm_hicache.host import HostKVPool
 from vllm_hicache.host.layout import BlockOrder
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.storage import StorageContext, create_backend
+from vllm_hicache.storage import pages as pages_module
 from vllm_hicache.storage.file import io as file_io
 from vllm_hicache.storage.format import HEADER_BYTES
-from vllm_hicache.storage.pages import PageStore
+from vllm_hicache.storage.pages import PageStore, layer_groups
 from vllm_hicache.storage.sealing import make_codec
 
 NUM_PAGES, NUM_LAYERS = 8, 3
@@ -169,3 +171,63 @@ def test_ranged_reads_of_the_file_backend(make_pages, tmp_path):
         ranged.close()  # idempotent
     with pytest.raises(IndexError):
         ranged.read(0, 0, buf)
+
+
+@pytest.mark.parametrize("group_bytes, requests", [(None, 2), (1, NUM_LAYERS)])
+def test_requests_per_object_follow_the_layer_groups(make_pages, monkeypatch, group_bytes,
+                                                     requests):
+    """A small hit is two requests per object (header with layer 0, then the
+    rest); one whose layers exceed the group size streams layer by layer.
+    Either way each layer reaches the pool only at its own call."""
+    if group_bytes is not None:
+        monkeypatch.setattr(pages_module, "READ_GROUP_BYTES", group_bytes)
+    pages = make_pages()
+    pages.write(HASHES, SRC)
+    counted = []
+    open_ranged = pages.backend.open_ranged
+
+    def counting(keys, object_bytes):
+        ranged = open_ranged(keys, object_bytes)
+        for name in ("read", "read_vectored"):
+            inner = getattr(ranged, name)
+            setattr(ranged, name, lambda i, *a, _inner=inner: counted.append(i) or _inner(i, *a))
+        return ranged
+
+    monkeypatch.setattr(pages.backend, "open_ranged", counting)
+    good, seen = read_by_layer(pages)
+    assert good == 4
+    assert sorted(counted) == sorted(list(range(4)) * requests)
+    assert seen.filled == [[lyr <= i for lyr in range(NUM_LAYERS)] for i in range(NUM_LAYERS)]
+    assert torch.equal(pages.pool.read_pages(SRC), pages.pool.read_pages(DST))
+
+
+def test_layer_groups():
+    assert layer_groups(6, 768 << 10, 8 << 20) == [(0, 1), (1, 6)]
+    assert layer_groups(6, 3 << 20, 8 << 20) == [(0, 1), (1, 3), (3, 5), (5, 6)]
+    assert layer_groups(4, 10 << 20, 8 << 20) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert layer_groups(1, 1, 8 << 20) == [(0, 1)]
+    assert layer_groups(3, 0, 8 << 20) == [(0, 1), (1, 3)]  # nothing opened
+
+
+def test_a_vectored_range_read_resumes_after_a_short_read(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    data = bytes(range(256)) * 4
+    path.write_bytes(data)
+    real = os.preadv
+    calls = []
+
+    def short_first(fd, views, offset):  # the first request gets 10 bytes only
+        calls.append(offset)
+        if len(calls) == 1:
+            return real(fd, [memoryview(views[0])[:10]], offset)
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(file_io.os, "preadv", short_first)
+    head, body = np.zeros(64, np.uint8), np.zeros(900, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert file_io.read_ranges(fd, 7, [head, body])
+        assert head.tobytes() + body.tobytes() == data[7:7 + 964]
+        assert not file_io.read_ranges(fd, 100, [head, body])  # past the end
+    finally:
+        os.close(fd)

@@ -127,6 +127,16 @@ class RangedObjects(ABC):
         """Fill ``buffer`` with bytes [offset, offset + len) of opened object
         ``index``; False if they could not all be read."""
 
+    def read_vectored(self, index: int, offset: int, buffers: Sequence[np.ndarray]) -> bool:
+        """Fill ``buffers``, in order, with the consecutive bytes of opened
+        object ``index`` from ``offset`` on; False if they could not all be
+        read. Backends that can do it in one request override this."""
+        for buffer in buffers:
+            if not self.read(index, offset, buffer):
+                return False
+            offset += buffer.nbytes
+        return True
+
     @abstractmethod
     def close(self) -> None:
         """Release the objects; idempotent."""

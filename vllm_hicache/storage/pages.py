@@ -82,6 +82,10 @@ SCRATCH_BYTES = 64 << 20
 # Most bytes of staged read payloads (layer_first, head slices) one thread
 # keeps for its next read; a bigger read stages through fresh memory.
 STAGING_BYTES = 64 << 20
+# Most bytes (over all objects of one read) of the layers after the first
+# that a layered read requests at once: a hit of a few MiB is two requests
+# per object, a larger one keeps arriving layer by layer.
+READ_GROUP_BYTES = 8 << 20
 # Appended to an object's key to form the key it is sealed under, for stores
 # with ``page_states`` (see the module doc).
 _STATE_SUFFIX = {True: "#state", False: "#no-state"}
@@ -101,6 +105,21 @@ def _seal_pool() -> ThreadPoolExecutor:
                                                 thread_name_prefix="hicache-seal",
                                                 initializer=io_threads.enter_io_thread)
         return _seal_executor
+
+
+def layer_groups(num_layers: int, bytes_per_layer: int,
+                 group_bytes: int) -> list[tuple[int, int]]:
+    """The layer ranges [lo, hi) a layered read requests at once: layer 0
+    alone, then runs of the following layers of at most ``group_bytes``
+    (``bytes_per_layer``: one layer of every object of the read), at least
+    one layer each."""
+    per_group = max(1, group_bytes // max(1, bytes_per_layer))
+    groups = [(0, min(1, num_layers))]
+    lo = 1
+    while lo < num_layers:
+        groups.append((lo, min(num_layers, lo + per_group)))
+        lo = groups[-1][1]
+    return groups
 
 
 def state_sealed_key(key: str, state_valid: bool) -> str:
@@ -227,7 +246,12 @@ class PageStore:
         more pages than for the layer before). Those bytes are NOT verified
         yet: every object's check runs after its last layer, and only the
         result, the leading pages that passed it, may be indexed or kept
-        (the L1 copies made from the rest must be failed)."""
+        (the L1 copies made from the rest must be failed).
+
+        Requests per object: its header with layer 0 (so the forward's first
+        layer waits for as little as possible), then each group of the
+        following layers (``layer_groups``): two for a hit of a few MiB,
+        one per layer for a large one, which keeps streaming."""
         assert self.reads_by_layer, "read_by_layer on a store that cannot"
         keys = self.keys(hashes)
         ranged = self.backend.open_ranged(keys, self.object_bytes)
@@ -239,15 +263,18 @@ class PageStore:
             flat = self._staging(n * size)
             objects = flat.reshape(n, size)
             headers = self._kept("headers", n * HEADER_BYTES).reshape(n, HEADER_BYTES)
-            n = self._read_headers(ranged, keys, headers)
-            for layer in range(layers):
-                begin = layer * layer_bytes
-                n = next((i for i in range(n) if not ranged.read(
-                    i, HEADER_BYTES + begin, objects[i, begin:begin + layer_bytes])), n)
-                if n:
-                    self.pool.write_layer_payloads(
-                        layer, pages[:n], torch.from_numpy(objects[:n, begin:begin + layer_bytes]))
-                on_layer(layer, n)
+            n = self._read_first_layer(ranged, keys, headers, objects[:, :layer_bytes])
+            for lo, hi in layer_groups(layers, n * layer_bytes, READ_GROUP_BYTES):
+                begin, end = lo * layer_bytes, hi * layer_bytes
+                if lo:
+                    n = next((i for i in range(n) if not ranged.read(
+                        i, HEADER_BYTES + begin, objects[i, begin:end])), n)
+                for layer in range(lo, hi):
+                    at = layer * layer_bytes
+                    if n:
+                        self.pool.write_layer_payloads(
+                            layer, pages[:n], torch.from_numpy(objects[:n, at:at + layer_bytes]))
+                    on_layer(layer, n)
         finally:
             ranged.close()
         payloads = [objects[i] for i in range(n)]
@@ -257,12 +284,14 @@ class PageStore:
             logger.debug("L3 read by layer: %d of %d objects valid", good, len(keys))
         return good
 
-    def _read_headers(self, ranged: RangedObjects, keys: list[str], headers: np.ndarray) -> int:
-        """Read the opened objects' headers; the leading ones that are what
-        this reader expects. A header that is not fails its object now,
-        before any of its layers reaches L1 (the check proper comes last)."""
+    def _read_first_layer(self, ranged: RangedObjects, keys: list[str], headers: np.ndarray,
+                          first_layers: np.ndarray) -> int:
+        """Read the opened objects' headers and first layers (one request
+        each); the leading ones read whose header is what this reader
+        expects. A header that is not fails its object now, before any of
+        its layers reaches L1 (the check proper comes last)."""
         for i in range(len(headers)):
-            if not ranged.read(i, 0, headers[i]):
+            if not ranged.read_vectored(i, 0, [headers[i], first_layers[i]]):
                 return i
             if fields_nonce(headers[i], keys[i], self.payload_bytes,
                             self.codec.protection) is None:

@@ -352,6 +352,12 @@ class _FileRanges(RangedObjects):
         except OSError:
             return False
 
+    def read_vectored(self, index: int, offset: int, buffers: Sequence[np.ndarray]) -> bool:
+        try:
+            return file_io.read_ranges(self._fds[index], offset, buffers)
+        except OSError:
+            return False
+
     def close(self) -> None:
         fds, self._fds = self._fds, []
         for fd in fds:

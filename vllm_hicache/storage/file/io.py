@@ -121,7 +121,7 @@ def read_whole(fd: int, size: int, buffers: Sequence[np.ndarray]) -> int:
     return expected if done == expected else -1
 
 
-def read_range(fd: int, offset: int, buffer: np.ndarray) -> bool:
+def read_range(fd: int, offset: int, buffer: np.ndarray | memoryview) -> bool:
     """Fill ``buffer`` from regular file ``fd`` at ``offset``; False if the
     file ends first (resumed as ``read_whole`` is)."""
     expected = buffer.nbytes
@@ -131,6 +131,21 @@ def read_range(fd: int, offset: int, buffer: np.ndarray) -> bool:
         if n <= 0:
             return False
         done += n
+    return True
+
+
+def read_ranges(fd: int, offset: int, buffers: Sequence[np.ndarray]) -> bool:
+    """Fill ``buffers``, in order, from regular file ``fd`` at ``offset``, in
+    one ``preadv`` where the file gives all at once; False if it ends first."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    got = os.preadv(fd, views, offset)
+    if got < 0:
+        return False
+    for view in views:  # a short read: the rest piece by piece
+        if got < view.nbytes and not read_range(fd, offset + got, view[got:]):
+            return False
+        got = max(0, got - view.nbytes)
+        offset += view.nbytes
     return True
 
 
