@@ -112,6 +112,21 @@ def test_pinned_pages_are_never_evicted_and_pins_count(node_root):
         assert tier.stats().pinned_slots == 0
 
 
+def test_a_key_listed_twice_in_one_pin_is_pinned_twice(node_root):
+    """Pins and releases of distinct slots run as one statement per batch;
+    a list that names a slot twice counts it twice, both ways."""
+    with make(node_root, slots=3) as tier:
+        insert(tier, [b"a", b"b", b"c"])
+        pages = tier.pin_pages([b"a", b"b", b"a"])
+        assert [p.key for p in pages] == [b"a", b"b", b"a"]
+        tier.release_pages(pages[:2], hits=2, misses=0)  # one pin of a, b's only
+        assert tier.stats().pinned_slots == 1
+        got = tier.reserve(3)  # a is still pinned once: only b and c can go
+        assert len(got.slots) == 2 and sorted(got.evicted_keys) == [b"b", b"c"]
+        tier.release_pages(pages[2:], hits=1, misses=0)
+        assert tier.stats().pinned_slots == 0
+
+
 def test_a_corrupted_page_is_a_miss_with_checksums_and_is_dropped(node_root):
     with make(node_root) as tier:
         insert(tier, [b"a"])

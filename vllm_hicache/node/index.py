@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from vllm_hicache.node.errors import NodeTierError
 
@@ -45,6 +46,7 @@ FREE, RESERVED, SEALED = 0, 1, 2
 EVICTION_POLICIES = ("lru", "lfu")
 # SQLite's bound on one statement's parameters is 32766; stay far below.
 _BATCH = 500
+T = TypeVar("T")
 
 _SCHEMA = """
 CREATE TABLE meta(name TEXT PRIMARY KEY, value) WITHOUT ROWID;
@@ -109,9 +111,20 @@ class Reclaimed:
     pins: int
 
 
-def _chunks(seq: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
+def _chunks(seq: Sequence[T]) -> Iterator[Sequence[T]]:
     for i in range(0, len(seq), _BATCH):
         yield seq[i:i + _BATCH]
+
+
+def _marks(chunk: Sequence[object]) -> str:
+    """The placeholders of an ``IN (...)`` list of ``chunk``."""
+    return ",".join("?" * len(chunk))
+
+
+def _distinct(slots: Sequence[int]) -> bool:
+    """Whether no slot is listed twice: then one ``IN`` statement does what a
+    statement per slot would."""
+    return len(set(slots)) == len(slots)
 
 
 class Index:
@@ -226,19 +239,32 @@ class Index:
         now (else the unpin marks what was used)."""
         with self.write() as db:
             found = self.find(keys, db)
-            db.executemany(
-                "INSERT INTO pins VALUES (?, ?, 1) "
-                "ON CONFLICT(member, slot) DO UPDATE SET count = count + 1",
-                ((member, f.slot) for f in found))
+            slots = [f.slot for f in found]
+            if _distinct(slots):  # one statement per chunk, not one per row
+                for chunk in _chunks(slots):
+                    db.execute(
+                        "INSERT INTO pins SELECT ?, slot, 1 FROM slots WHERE slot IN "
+                        f"({_marks(chunk)}) ON CONFLICT(member, slot) DO UPDATE SET "
+                        "count = count + 1", [member, *chunk])
+            else:  # a slot listed twice is pinned twice
+                db.executemany(
+                    "INSERT INTO pins VALUES (?, ?, 1) "
+                    "ON CONFLICT(member, slot) DO UPDATE SET count = count + 1",
+                    ((member, slot) for slot in slots))
             if mark_used:
-                self._mark_used(db, [f.slot for f in found])
+                self._mark_used(db, slots)
         return found
 
     @staticmethod
     def _mark_used(db: sqlite3.Connection, slots: Sequence[int]) -> None:
         now = time.monotonic_ns()
-        db.executemany("UPDATE slots SET last_access_ns = ?, uses = uses + 1 WHERE slot = ?",
-                       ((now, slot) for slot in slots))
+        if _distinct(slots):
+            for chunk in _chunks(slots):
+                db.execute("UPDATE slots SET last_access_ns = ?, uses = uses + 1 "
+                           f"WHERE slot IN ({_marks(chunk)})", [now, *chunk])
+        else:
+            db.executemany("UPDATE slots SET last_access_ns = ?, uses = uses + 1 "
+                           "WHERE slot = ?", ((now, slot) for slot in slots))
 
     def unpin(self, member: str, slots: Sequence[int],
               hits: int = 0, misses: int = 0, used: Sequence[int] = ()) -> None:
@@ -247,8 +273,13 @@ class Index:
         slots used now."""
         with self.write() as db:
             self._mark_used(db, used)
-            db.executemany("UPDATE pins SET count = count - 1 WHERE member = ? AND slot = ?",
-                           ((member, s) for s in slots))
+            if _distinct(slots):
+                for chunk in _chunks(slots):
+                    db.execute("UPDATE pins SET count = count - 1 WHERE member = ? AND slot IN "
+                               f"({_marks(chunk)})", [member, *chunk])
+            else:  # a slot listed twice loses two pins
+                db.executemany("UPDATE pins SET count = count - 1 WHERE member = ? AND "
+                               "slot = ?", ((member, s) for s in slots))
             db.execute("DELETE FROM pins WHERE member = ? AND count <= 0", (member,))
             if hits or misses:
                 db.execute("UPDATE members SET hits = hits + ?, misses = misses + ? "
