@@ -76,3 +76,28 @@ def test_write_pages_checks_shape_and_dtype():
 def test_block_order_must_describe_the_block():
     with pytest.raises(ValueError, match="does not describe"):
         make_pool("layer_first", BlockOrder.canonical(PLANES, BLOCK, HEADS, HEAD * 2))
+
+
+@pytest.mark.parametrize("pages", [[2, 3, 4, 5], [1, 2, 5, 6], [7, 0, 4, 2], [5, 4, 3, 2],
+                                   [8, 0, 1, 2, 3, 6]],
+                         ids=["one_run", "runs_of_two", "scattered", "descending", "mixed"])
+@pytest.mark.parametrize("order", [None, HEAD_OUTER], ids=["canonical", "head_outer"])
+@pytest.mark.parametrize("mem_layout", ["layer_first", "page_first_direct"])
+def test_layer_payloads_land_in_their_pages_however_the_pages_run(mem_layout, order, pages):
+    """Each layer's run of the L3 payload, written layer by layer (slice
+    copies for runs of pages, index_copy_ for scattered ones), leaves every
+    page as the whole payload would, and no other page touched."""
+    pool = make_pool(mem_layout, order)
+    data = random_bits(len(pages) * LAYERS * PLANES * BLOCK * HEADS * HEAD, torch.bfloat16)
+    canonical = data.view(len(pages), LAYERS, PLANES, BLOCK, HEADS, HEAD)
+    reference = make_pool(mem_layout, order)
+    reference.write_pages(pages, canonical)
+    axes = pool.layout.payload_axes()
+    cells = reference.cells()[pages]
+    payload = cells.permute(0, *(1 + a for a in axes)).reshape(len(pages), -1)
+    payload = payload.contiguous().view(torch.uint8)
+    layer_bytes = payload.shape[1] // LAYERS
+    for layer in range(LAYERS):
+        pool.write_layer_payloads(layer, pages,
+                                  payload[:, layer * layer_bytes:(layer + 1) * layer_bytes])
+    assert same_bits(pool.buffer, reference.buffer)

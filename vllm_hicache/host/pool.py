@@ -49,6 +49,19 @@ def _resolve_order(
     return order
 
 
+
+
+def _consecutive_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
+    """(position, length) of each run of ``pages`` whose ids step by +1."""
+    runs: list[tuple[int, int]] = []
+    for i, page in enumerate(pages):
+        if runs and page == pages[i - 1] + 1:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
 class LayerBlocks(Protocol):
     """What a pool is shaped from: one L1 layer's block geometry.
 
@@ -217,9 +230,18 @@ class HostKVPool:
         if axes is None:
             raise ValueError(f"{self.mem_layout} payloads are not layer-major")
         target = self.cells()[:, layer].permute(0, *(1 + axis for axis in axes))
-        index = torch.as_tensor(list(pages), dtype=torch.long)
-        source = data.view(self.dtype).reshape(len(index), *target.shape[1:])
-        target.index_copy_(0, index, source)
+        pages = list(pages)
+        source = data.view(self.dtype).reshape(len(pages), *target.shape[1:])
+        runs = _consecutive_runs(pages)
+        # A slice of a permuted view copies several times faster than
+        # index_copy_ into it; one copy call per run pays off while runs
+        # average two pages or more (48 pages of 16 KiB a layer, CPU: one run
+        # 0.09 ms against 0.23, runs of two 0.15, single pages 0.30).
+        if 2 * len(runs) > len(pages):
+            target.index_copy_(0, torch.as_tensor(pages, dtype=torch.long), source)
+            return
+        for at, length in runs:
+            target[pages[at]:pages[at] + length].copy_(source[at:at + length])
 
     def close(self) -> None:
         """Unpin the buffer; the pool must not be used afterwards."""
