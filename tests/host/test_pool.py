@@ -101,3 +101,23 @@ def test_layer_payloads_land_in_their_pages_however_the_pages_run(mem_layout, or
         pool.write_layer_payloads(layer, pages,
                                   payload[:, layer * layer_bytes:(layer + 1) * layer_bytes])
     assert same_bits(pool.buffer, reference.buffer)
+
+
+@pytest.mark.parametrize("pages", [[2, 3, 4, 5], [1, 2, 5, 6], [7, 0, 4, 2], [5, 4, 3, 2],
+                                   [8, 0, 1, 2, 3, 6]],
+                         ids=["one_run", "runs_of_two", "scattered", "descending", "mixed"])
+@pytest.mark.parametrize("order", [None, HEAD_OUTER], ids=["canonical", "head_outer"])
+@pytest.mark.parametrize("mem_layout", MEM_LAYOUTS)
+def test_whole_pages_land_and_read_back_however_the_pages_run(mem_layout, order, pages):
+    """write_pages / read_pages copy runs of pages as slices and scattered
+    pages by index: page by page the same bytes either way."""
+    pool = make_pool(mem_layout, order)
+    data = random_bits(len(pages) * LAYERS * PLANES * BLOCK * HEADS * HEAD, torch.bfloat16)
+    data = data.view(len(pages), LAYERS, PLANES, BLOCK, HEADS, HEAD)
+    pool.write_pages(pages, data)
+    for i, page in enumerate(pages):
+        assert same_bits(pool.read_pages([page])[0], data[i])
+    got = pool.read_pages(pages)
+    assert got.is_contiguous() and same_bits(got, data)
+    others = [p for p in range(PAGES) if p not in pages]
+    assert not pool.read_pages(others).view(torch.int16).any()
