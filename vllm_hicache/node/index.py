@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from vllm_hicache.node.errors import NodeTierError
 
@@ -84,9 +84,9 @@ class Claimed:
     gen: int
 
 
-@dataclass(frozen=True)
-class Found:
-    """A sealed slot as the index knows it."""
+class Found(NamedTuple):
+    """A sealed slot as the index knows it (a NamedTuple: a load makes one
+    per page, on the forward's path)."""
 
     key: bytes
     slot: int
@@ -225,12 +225,12 @@ class Index:
                 rows = db.execute(
                     f"SELECT key, slot, gen FROM slots WHERE state = 2 AND key IN "
                     f"({','.join('?' * len(chunk))})", list(chunk)).fetchall()
-            by_key = {bytes(k): Found(bytes(k), s, g) for k, s, g in rows}
+            where = {k: (s, g) for k, s, g in rows}  # a BLOB comes back as bytes
             for key in chunk:
-                hit = by_key.get(key)
+                hit = where.get(key)
                 if hit is None:
                     return found
-                found.append(hit)
+                found.append(Found(key, *hit))
         return found
 
     def pin(self, member: str, keys: Sequence[bytes], mark_used: bool = True) -> list[Found]:
