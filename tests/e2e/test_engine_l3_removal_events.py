@@ -19,7 +19,14 @@ from vllm_hicache.l3.canary import is_canary_key
 
 pytestmark = pytest.mark.engine
 
-OBJECTS = 10  # the store holds this many blocks' objects
+OBJECTS = 10  # the store holds about this many blocks' objects
+# Redis counts its clients' buffers in the memory ``maxmemory`` bounds: about
+# 41 KiB per idle connection on Redis 7.0, more than one object. With the
+# default pool of 16 connections a busy engine's clients alone outgrew the
+# room for OBJECTS objects, and LRU emptied the store (CI, 2026-12-04). So the
+# pool is bounded and its connections are budgeted beside the objects.
+REDIS_CONNECTIONS = 2
+REDIS_CLIENT_BYTES = 64 << 10
 
 
 def converted(raw: bytes) -> int:
@@ -58,9 +65,13 @@ def redis_store(tmp_path, one: int):
     try:
         client = server.client()
         used = int(client.info("memory")["used_memory"])
-        # Room for about OBJECTS objects beyond what an empty server uses.
-        client.config_set("maxmemory", used + OBJECTS * (one + 256))
-        yield ({"url": server.url, "key_prefix": "hc:"},
+        # Room for about OBJECTS objects beyond what an empty server uses, plus
+        # the engine's connections: its pool and its keyspace subscriber. One
+        # object per pipeline keeps a write's query buffer about one object.
+        clients = (REDIS_CONNECTIONS + 1) * REDIS_CLIENT_BYTES
+        client.config_set("maxmemory", used + OBJECTS * (one + 256) + clients)
+        yield ({"url": server.url, "key_prefix": "hc:",
+                "max_connections": REDIS_CONNECTIONS, "batch_bytes": one},
                lambda: blocks_of(k.decode()[3:] for k in client.scan_iter(match="hc:*")))
     finally:
         server.kill()
@@ -69,14 +80,13 @@ def redis_store(tmp_path, one: int):
 @pytest.mark.parametrize("backend, store", [("file", file_store), ("redis", redis_store)])
 def test_l3_evictions_are_announced_exactly(tiny_model_dir, tmp_path, backend, store):
     with store(tmp_path, block_bytes(tiny_model_dir)) as (options, in_store_now):
-        events = run_with_events(tiny_model_dir, tmp_path, {
+        events, in_store = run_with_events(tiny_model_dir, tmp_path, {
             "hicache_io_backend": "direct", "hicache_mem_layout": "page_first_direct",
             "hicache_storage_backend": backend, "hicache_storage_backend_extra_config": options,
             # The breaker's health check rewrites one object every second: in a
             # full store each write may evict a block after the events were read.
             "l3_breaker": False,
-        })
-        in_store = in_store_now()
+        }, in_store_now)
     removed = [e for e in events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"]
     assert removed, "no L3 removal was announced"
     assert all(e.ownership == backend for e in removed)
@@ -86,11 +96,14 @@ def test_l3_evictions_are_announced_exactly(tiny_model_dir, tmp_path, backend, s
     assert standing(events, "STORAGE") == in_store
 
 
-PROMPTS, BLOCKS_EACH = 4, 5  # twice what the store holds
+PROMPTS, BLOCKS_EACH = 6, 5  # three times what the store holds
+SETTLE_ROUNDS = 10  # at most this many small requests for the last acks
 
 
-def run_with_events(model_dir, tmp_path, extra: dict) -> list:
-    """Serve PROMPTS prompts of BLOCKS_EACH full blocks; every KV event published."""
+def run_with_events(model_dir, tmp_path, extra: dict, in_store_now) -> tuple[list, set]:
+    """Serve PROMPTS prompts of BLOCKS_EACH full blocks; every KV event
+    published, and the store's blocks once the events account for them (or
+    after SETTLE_ROUNDS rounds, for the caller's assertions to judge)."""
     import zmq
     from vllm.config import KVEventsConfig
 
@@ -105,12 +118,16 @@ def run_with_events(model_dir, tmp_path, extra: dict) -> list:
         for k in range(PROMPTS):
             prompt = [5 + (i * 11 + 37 * k) % 470 for i in range(BLOCKS_EACH * BLOCK_SIZE + 1)]
             generate(llm, [prompt], max_tokens=1)
-        for _ in range(3):  # the last backups' acks and removals come back
+        events: list = []
+        for _ in range(SETTLE_ROUNDS):  # the last backups' acks and removals come back
             time.sleep(0.3)
             generate(llm, [[7, 8, 9]], max_tokens=1)
-        events = drain(sub)
+            events += drain(sub)
+            in_store = in_store_now()
+            if in_store and standing(events, "STORAGE") == in_store:
+                break
         assert scheduler_half(llm).l3.l3_removed_blocks > 0
-        return events
+        return events, in_store
     finally:
         sub.close(linger=0)
         close(llm)
