@@ -5,18 +5,17 @@ tier of S hold at most S plus 5% of S each).
 
 Bandwidth (one process, same L1 tensors): ``KVTransfer.load`` from a
 private pool (L2 -> L1) against ``NodeDirectLoader.load`` from the tier's
-segment (pin, seal checks, the copy, seal checks, unpin), in batches of
-``--batch`` pages (one request's hit). "segment copy only" is the copy
-engine over the segment without the index (the pins) or the checks; it
+segment (find or pin, seal checks, the copy, seal checks, release), in
+batches of ``--batch`` pages (one request's hit). "segment copy only" is
+the copy engine over the segment without the index or the checks; it
 separates the copy from the tier's per-load costs. "direct, first load" is
-a process's first load of the pages: checksum objects are trusted by their
-seals (their publisher checked them), so it is "direct" again; with
-``--secret`` (objects sealed with a MAC) it includes each process's MAC
-check of a slot, once per slot generation. "direct" is a later load of the
-same pages;
-"direct, in a step" the same with the pins released on another thread, as
-a load in the step that admits its request does (what the forward waits
-for).
+a process's first load of the pages (found in the index, not remembered
+from an earlier load); checksum objects are trusted by their seals (their
+publisher checked them); with ``--secret`` (objects sealed with a MAC) it
+includes each process's MAC check of a slot, once per slot generation.
+"direct" is a later load of the same pages; "direct, in a step" the same
+with the release on another thread, as a load in the step that admits its
+request does (what the forward waits for).
 
 Memory (three child processes): each joins the tier of ``--tier-mib``,
 loads every page into its own L1 through the segment, and allocates a
@@ -143,22 +142,23 @@ def bandwidth(args: argparse.Namespace, root: str, device: str) -> None:
         for hs, ids in batches:
             assert rig.loader.load(hs, ids) == len(ids)
 
-    pinned = rig.tier.pin_pages([node_key(k) for k in rig.store.keys(keys)])
-    slots = [p.slot for p in pinned]
+    held = rig.tier.hold_pages([node_key(k) for k in rig.store.keys(keys)])
+    slots = [p.slot for p in held]
     slot_batches = [(ids, slots[ids[0]:ids[-1] + 1]) for _, ids in batches]
 
-    def segment_copy() -> None:  # the copy alone: no pins, no seal or object checks
+    def segment_copy() -> None:  # the copy alone: no index, seal or object checks
         for ids, at in slot_batches:
             rig.loader.transfer.load(ids, at)
         sync()
 
     def first_direct() -> None:
         rig.loader._verified.clear()  # as a process that has not checked them yet
+        rig.tier._hints.clear()  # nor found them
         direct()
 
     releases = ThreadPoolExecutor(1)
 
-    def in_step() -> None:  # as NodeLoadQueue in a step: the pins released on its thread
+    def in_step() -> None:  # as NodeLoadQueue in a step: the release on its thread
         for hs, ids in batches:
             assert rig.loader.load(hs, ids, releases.submit) == len(ids)
 
@@ -182,7 +182,7 @@ def bandwidth(args: argparse.Namespace, root: str, device: str) -> None:
     print(f"{'path':<22}{'GB/s':>8}{'ratio':>8}")
     for name, gbs in rows:
         print(f"{name:<22}{gbs:>8.2f}{gbs / base:>8.2f}")
-    rig.tier.release_pages(pinned, 0, 0)
+    rig.tier.release_pages(held, 0, 0)
     rig.close()
 
 

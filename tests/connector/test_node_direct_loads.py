@@ -83,7 +83,7 @@ def watch_loads(b):
 def tear_seal(tier, key: bytes) -> None:
     """Flip a generation bit in the seal of ``key``'s slot, as a torn or
     foreign slot shows (the index still lists it)."""
-    found = tier.pin_pages([key])
+    found = tier.hold_pages([key])
     tier.release_pages(found, 0, 0)
     mapping = np.frombuffer(tier.mapping(), np.uint8)
     mapping[SEGMENT_HEADER_BYTES + found[0].slot * SLOT_HEADER_BYTES] ^= 0x01
@@ -218,7 +218,7 @@ def evict_before_pin(b, tier, key: bytes) -> None:
     inner = b.worker.worker._node_loads.loader.begin
 
     def evict_then_begin(hashes, block_ids):
-        page = tier.pin_pages([key])
+        page = tier.hold_pages([key])
         tier.drop_page(page[0], "evicted by the test")
         return inner(hashes, block_ids)
 

@@ -1,5 +1,5 @@
 """Randomized multi-process stress of the node tier alone: WORKERS members
-(tests/node/stress_worker.py) insert, read, look up, pin and unpin over a
+(tests/node/stress_worker.py) insert, read (also in place, unpinned), look up, pin and unpin over a
 tier smaller than their key space (eviction all the time), while this test
 kills one or two of them with SIGKILL at random moments each round and
 starts new ones. After every round, with the rest still running:

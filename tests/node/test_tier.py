@@ -116,8 +116,9 @@ def test_a_key_listed_twice_in_one_pin_is_pinned_twice(node_root):
     """Pins and releases of distinct slots run as one statement per batch;
     a list that names a slot twice counts it twice, both ways."""
     with make(node_root, slots=3) as tier:
+        tier.pinless_reads = False  # the pinned protocol, as off x86-64
         insert(tier, [b"a", b"b", b"c"])
-        pages = tier.pin_pages([b"a", b"b", b"a"])
+        pages = tier.hold_pages([b"a", b"b", b"a"])
         assert [p.key for p in pages] == [b"a", b"b", b"a"]
         tier.release_pages(pages[:2], hits=2, misses=0)  # one pin of a, b's only
         assert tier.stats().pinned_slots == 1
@@ -257,4 +258,64 @@ def test_clear_drops_every_unpinned_page_and_keeps_pinned_ones(node_root):
         assert tier.lookup([b"a"]) == 1 and tier.lookup([b"b"]) == 0 and tier.lookup([b"c"]) == 0
         stats = tier.stats()
         assert (stats.free_slots, stats.sealed_slots) == (3, 1)
+        assert tier.check_integrity() == []
+
+
+def test_held_pages_are_pinned_only_where_reads_need_pins(node_root):
+    from vllm_hicache.node.segment import PINLESS_READS
+    with make(node_root, slots=2) as tier:
+        assert tier.pinless_reads == PINLESS_READS
+        insert(tier, [b"a", b"b"])
+        for pinless in (True, False):
+            tier.pinless_reads = pinless
+            pages = tier.hold_pages([b"a", b"b", b"x"])
+            assert [p.key for p in pages] == [b"a", b"b"]
+            assert tier.stats().pinned_slots == (0 if pinless else 2)
+            tier.release_pages(pages, hits=2, misses=1)
+            assert tier.stats().pinned_slots == 0
+        m = tier.stats().members[tier.member_id]
+        assert (m.hits, m.misses) == (4, 2)
+
+
+@pytest.mark.parametrize("unseal", [True, False], ids=["unsealed", "control-no-unseal"])
+def test_a_refill_under_an_unpinned_reader_fails_its_second_seal_check(node_root, monkeypatch,
+                                                                       unseal):
+    """Without a pin, a held page may be evicted and its slot refilled while
+    it is read: the refiller unseals the slot before its first byte, so a
+    seal check after the copy fails even before the new seal is written.
+    The control skips the unseal: the check then passes over bytes that are
+    no longer the page's, which is why reserve unseals."""
+    from vllm_hicache.node.segment import Segment
+    if not unseal:
+        monkeypatch.setattr(Segment, "unseal", lambda self, slot, generation: None)
+    with make(node_root, slots=1) as tier:
+        tier.pinless_reads = True
+        insert(tier, [b"a"])
+        pages = tier.hold_pages([b"a"])
+        assert tier.seals_held(pages) == 1  # before the copy
+        got = tier.reserve(1)  # another writer needs room: nothing pins a
+        assert got.evicted_keys == [b"a"]
+        tier.write(got.slots[0], page_of(b"b"))  # mid-fill, not sealed yet
+        copied = tier._segment.data(pages[0].slot).tobytes()
+        assert copied != page_of(b"a")
+        assert tier.seals_held(pages) == (0 if unseal else 1)  # after the copy
+        tier.release_pages(pages, hits=0, misses=1)
+        tier.abort(got.slots[0])
+        assert tier.check_integrity() == []
+
+
+def test_dropping_a_refilled_page_leaves_the_new_page_and_its_pins(node_root):
+    """An unpinned reader that refuses a page may be late: the slot was
+    evicted and sealed again for another key, which another reader pins.
+    The drop names the old generation and changes nothing."""
+    with make(node_root, slots=1) as tier:
+        insert(tier, [b"a"])
+        (old,) = tier._index.find([b"a"])
+        insert(tier, [b"b"])  # evicts a, reuses its slot
+        tier.pinless_reads = False
+        (new,) = tier.hold_pages([b"b"])
+        assert new.slot == old.slot and new.gen != old.gen
+        tier.drop_page(old, "refused late by the test")
+        assert tier.lookup([b"b"]) == 1 and tier.stats().pinned_slots == 1
+        tier.release_pages([new], hits=1, misses=0)
         assert tier.check_integrity() == []

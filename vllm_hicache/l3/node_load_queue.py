@@ -5,16 +5,16 @@ layerwise L2 hit is) on the calling thread before the forward.
 
 Async: one background thread runs the jobs in order; on CUDA it queues the
 copies on a stream of its own (never vLLM's compute stream) and the loader
-waits for them before it releases the pins. ``poll`` returns the requests
+waits for them before it releases the pages. ``poll`` returns the requests
 whose job ended and the blocks that did not receive their page: the blocks
 after the loaded prefix of each job (vLLM recomputes them). A job that
 raises is all failed, and is still reported finished, or vLLM would wait
 for it forever.
 
-In step: ``start_in_step`` (before the forward) pins and checks the jobs'
+In step: ``start_in_step`` (before the forward) finds and checks the jobs'
 pages; on CPU ``load_layer`` copies each layer as the forward reaches it
 and ``finish_in_step`` (after the forward, before the step's stores)
-checks the seals again and releases the pins; on CUDA ``start_in_step``
+checks the seals again and releases the pages; on CUDA ``start_in_step``
 copies every layer at once (on the caller's stream, waited for). The
 blocks that did not receive their page, known before the forward or after
 it, are load errors of this step (``get_block_ids_with_load_errors``): vLLM
@@ -22,7 +22,7 @@ cuts the request's computed tokens back to the first of them and
 recomputes from there. Either way the forward computed the request's later
 blocks over KV that never arrived, so the worker drops the step's stores.
 
-The pins and checks stay on the forward's thread: run on the queue's
+The lookups and checks stay on the forward's thread: run on the queue's
 thread beside the forward's first layer, they made a cross-instance hit
 slower (1.23 against 1.12 of an L2 hit, one ``bench_node_tier.py`` run each): the
 forward does little before its first attention layer, and the two threads
@@ -33,7 +33,8 @@ at once, as a recompute. One loader serves both kinds, one job at a time.
 
 Safety: the destination blocks belong to the request alone until it is
 reported finished (async) or the step's forward runs after the copy
-(in step); the source slots are pinned by the loader for the copy's duration.
+(in step); a source slot refilled during the copy fails the loader's second
+seal check (or, off x86-64, is pinned by the loader for the copy's duration).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class NodeLoadQueue:
 
     def _load(self, job: NodeLoadJob, in_step: bool = False) -> int:
         assert self.loader is not None
-        # In step, the forward waits for the load: its pins are released on
+        # In step, the forward waits for the load: its pages are released on
         # this queue's thread (the copy has ended; the transaction is only
         # bookkeeping).
         defer = self._executor.submit if in_step else None
@@ -99,7 +100,7 @@ class NodeLoadQueue:
 
     def start_in_step(self, jobs: Sequence[NodeLoadJob]) -> set[int]:
         """This step's in-step loads, before its forward; the blocks that
-        will not receive their page. On CPU only the pins and checks run
+        will not receive their page. On CPU only the lookups and checks run
         here, and ``load_layer`` copies each layer just before the forward's
         attention reads it (the copy is then still in the CPU's cache, as an
         L2 hit's layerwise load is; copying every layer up front cost the

@@ -5,11 +5,15 @@ tier directly").
 ``NodeDirectLoader.load(hashes, block_ids)`` loads the longest prefix it
 can and returns its length; vLLM recomputes the blocks after it. Per call:
 
-1. pin the pages of the hashes' objects (``NodeTier.pin_pages``): the
-   longest sealed prefix, which no member can evict or refill until it is
-   released. A page evicted since the scheduler's lookup, or whose owner
-   died and was reclaimed, is simply not found: the prefix ends there.
-2. check each pinned slot before copying: its seal names the key at the
+1. find the pages of the hashes' objects (``NodeTier.hold_pages``): the
+   longest sealed prefix, with each page's slot and generation. On x86-64
+   that is one index read and nothing is pinned: a writer unseals a slot
+   before changing its bytes (node/segment.py), so the seal checks of steps
+   2 and 4 see any refill; elsewhere the pages are pinned, and no member
+   evicts or refills them until released. A page evicted since the
+   scheduler's lookup, or whose owner died and was reclaimed, is simply not
+   found: the prefix ends there.
+2. check each slot before copying: its seal names the key at the
    index's generation (else torn, foreign or refilled). Checksum objects
    are not hashed again: their publisher checked them (storage/node_direct.py
    gives the rule). With a MAC, the object in place opens (header, key,
@@ -19,12 +23,14 @@ can and returns its length; vLLM recomputes the blocks after it. Per call:
    prefix.
 3. copy the verified prefix with the ordinary copy engine over a
    ``SegmentKVPool`` (host/segment_pool.py), and wait for it (on CUDA too:
-   the seals are checked and the pins dropped only after the DMA ended).
-4. check every seal again: a slot whose seal changed during the copy (which
-   the pin forbids) ends the prefix at it, so its block is recomputed.
-5. release the pins, counting hits and misses for this member and marking
-   the pages read as used (for the eviction order); a load in the step
-   releases them on the queue's thread, after the copy it waited for.
+   the seals are checked and the pages released only after the DMA ended).
+4. check every seal again: a slot whose seal changed during the copy (a
+   refill of an unpinned slot) ends the prefix at it, so its block is
+   recomputed.
+5. release the pages (their pins, if any), counting hits and misses for this
+   member and marking the pages read as used (for the eviction order); a
+   load in the step releases them on the queue's thread, after the copy it
+   waited for.
 
 Where the segment is not registered with CUDA (CPU engines), the loader
 maps it into this process on a background thread at start (map_warmer.py),
@@ -61,7 +67,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class OpenLoad:
     """A direct load between ``NodeDirectLoader.begin`` and ``finish``: its
-    pinned pages, the blocks they go to, how many were asked for, how many
+    held pages, the blocks they go to, how many were asked for, how many
     leading pages passed their checks (what is copied), and whether a copy
     of it failed."""
 
@@ -106,7 +112,7 @@ class NodeDirectLoader:
              defer: Callable[..., object] | None = None) -> int:
         """Load the pages of ``hashes`` into ``block_ids`` (by position);
         returns how many leading blocks now hold their page. ``defer``
-        (e.g. an executor's ``submit``) runs the release of the pins, an
+        (e.g. an executor's ``submit``) runs the release of the pages, an
         index transaction nobody waits for, off the caller's thread."""
         op = self.begin(hashes, block_ids)
         if op is None:
@@ -115,17 +121,18 @@ class NodeDirectLoader:
         return self.finish(op, defer)
 
     def begin(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> OpenLoad | None:
-        """Pin and check the pages of ``hashes`` (steps 1 and 2); None when
-        nothing was pinned. ``copy`` then ``finish`` it."""
+        """Find (or pin) and check the pages of ``hashes`` (steps 1 and 2);
+        None when none was found. ``copy`` then ``finish`` it."""
         if len(hashes) != len(block_ids):
             raise ValueError(f"node load: {len(hashes)} hashes but {len(block_ids)} blocks")
         if not hashes:
             return None
         keys = self._object_keys(hashes)
         try:
-            pages = self.tier.pin_pages([node_key(k) for k in keys])
+            pages = self.tier.hold_pages([node_key(k) for k in keys])
         except NodeTierError as e:
-            logger.warning("HiCache node tier: pinning for a direct load failed (%s): a miss", e)
+            logger.warning("HiCache node tier: finding the pages of a direct load failed (%s): "
+                           "a miss", e)
             self.counts.bump("misses", len(hashes))
             return None
         usable = 0
@@ -160,7 +167,7 @@ class NodeDirectLoader:
 
     def finish(self, op: OpenLoad, defer: Callable[..., object] | None = None) -> int:
         """After every copy of ``op``: wait for them, check the seals again
-        and release the pins (steps 3 to 5); how many leading blocks hold
+        and release the pages (steps 3 to 5); how many leading blocks hold
         their page."""
         loaded = 0
         try:
@@ -182,8 +189,8 @@ class NodeDirectLoader:
         op.failed = True
 
     def _seals_held(self, op: OpenLoad) -> int:
-        """The leading copied pages whose seal did not change meanwhile (the
-        pin forbids it: a change drops the page and ends the prefix)."""
+        """The leading copied pages whose seal did not change meanwhile (a
+        change, a refill of an unpinned slot, ends the prefix there)."""
         held = self.tier.seals_held(op.pages[:op.usable])
         if held < op.usable:
             self._refuse(op.pages[held], "changed its seal while being copied")
@@ -225,8 +232,8 @@ class NodeDirectLoader:
         try:
             self.tier.release_pages(pages, hits=loaded, misses=asked - loaded)
         except NodeTierError as e:
-            # The pins are this member's: its leave, or its death, drops them.
-            logger.warning("HiCache node tier: releasing %d pins failed (%s)", len(pages), e)
+            # Pins (where held) are this member's: its leave, or its death, drops them.
+            logger.warning("HiCache node tier: releasing %d pages failed (%s)", len(pages), e)
 
     def close(self) -> None:
         """Unregister the segment and drop the views of the mapping (before

@@ -17,8 +17,12 @@ layout, parallel shape or secret never share a tier):
 Invariants, and what keeps them through a SIGKILL at any point:
 - A reader gets a key's bytes or a miss, never other bytes: pages are
   published by the index only after their seal (generation, length,
-  checksum, key) is in the segment; a reader pins the slot, checks the seal
-  before and after copying, and eviction never takes a pinned slot.
+  checksum, key) is in the segment; a writer unseals a slot before changing
+  any byte of it; a reader checks the seal before and after copying. Where
+  the CPU orders stores and loads as x86-64 does, that is all a reader
+  needs (no pin, and a direct load may remember where it found a page);
+  elsewhere a reader also pins the slot, and eviction never takes a pinned
+  one.
 - No member can block another beyond its own short transaction: the only
   locks are SQLite's fcntl locks and flocks, which the kernel drops when
   their holder dies; a transaction cut short is rolled back.

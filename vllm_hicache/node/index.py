@@ -36,7 +36,7 @@ import contextlib
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -266,13 +266,26 @@ class Index:
             db.executemany("UPDATE slots SET last_access_ns = ?, uses = uses + 1 "
                            "WHERE slot = ?", ((now, slot) for slot in slots))
 
+    def mark_read(self, member: str, used: Sequence[int], hits: int, misses: int) -> None:
+        """Mark the ``used`` slots used now and count ``hits``/``misses`` for
+        ``member`` (a read that held no pins)."""
+        with self.write() as db:
+            self._mark_read(db, member, used, hits, misses)
+
+    def _mark_read(self, db: sqlite3.Connection, member: str, used: Sequence[int],
+                   hits: int, misses: int) -> None:
+        self._mark_used(db, used)
+        if hits or misses:
+            db.execute("UPDATE members SET hits = hits + ?, misses = misses + ? "
+                       "WHERE member = ?", (hits, misses, member))
+
     def unpin(self, member: str, slots: Sequence[int],
               hits: int = 0, misses: int = 0, used: Sequence[int] = ()) -> None:
         """Drop one pin of ``member`` on each slot (a slot it does not pin is
         ignored), counting ``hits``/``misses`` for it; mark the ``used``
         slots used now."""
         with self.write() as db:
-            self._mark_used(db, used)
+            self._mark_read(db, member, used, hits, misses)
             if _distinct(slots):
                 for chunk in _chunks(slots):
                     db.execute("UPDATE pins SET count = count - 1 WHERE member = ? AND slot IN "
@@ -281,9 +294,6 @@ class Index:
                 db.executemany("UPDATE pins SET count = count - 1 WHERE member = ? AND "
                                "slot = ?", ((member, s) for s in slots))
             db.execute("DELETE FROM pins WHERE member = ? AND count <= 0", (member,))
-            if hits or misses:
-                db.execute("UPDATE members SET hits = hits + ?, misses = misses + ? "
-                           "WHERE member = ?", (hits, misses, member))
 
     def pinned_slots(self, member: str, keys: Sequence[bytes]) -> list[int]:
         """``member``'s pinned slots among ``keys``."""
@@ -345,20 +355,28 @@ class Index:
                        "WHERE slot = ? AND gen = ? AND owner = ? AND state = 1",
                        (claimed.slot, claimed.gen, member))
 
-    def drop(self, found: Found) -> None:
-        """Free a sealed slot whose seal did not verify (no pins counted: the
-        reader's own is dropped with it)."""
+    def drop(self, found: Found, freed: Callable[[], None]) -> None:
+        """Free a sealed slot whose seal did not verify, if it still holds that
+        generation (an unpinned reader's slot may have been refilled since);
+        its pins go with it, the reader's own included. ``freed`` runs inside
+        the transaction when a slot was freed."""
         with self.write() as db:
-            db.execute("DELETE FROM pins WHERE slot = ?", (found.slot,))
-            db.execute("UPDATE slots SET state = 0, key = NULL, owner = NULL, gen = gen + 1 "
-                       "WHERE slot = ? AND gen = ? AND state = 2", (found.slot, found.gen))
+            if db.execute("UPDATE slots SET state = 0, key = NULL, owner = NULL, "
+                          "gen = gen + 1 WHERE slot = ? AND gen = ? AND state = 2",
+                          (found.slot, found.gen)).rowcount:
+                db.execute("DELETE FROM pins WHERE slot = ?", (found.slot,))
+                freed()
 
-    def drop_unpinned(self) -> int:
-        """Free every sealed slot without a pin; how many were freed."""
+    def drop_unpinned(self, freed: Callable[[], None]) -> int:
+        """Free every sealed slot without a pin; how many were freed.
+        ``freed`` runs inside the transaction when any was."""
         with self.write() as db:
-            return db.execute("UPDATE slots SET state = 0, key = NULL, owner = NULL, "
-                              "gen = gen + 1 WHERE state = 2 AND slot NOT IN "
-                              "(SELECT slot FROM pins)").rowcount
+            count = db.execute("UPDATE slots SET state = 0, key = NULL, owner = NULL, "
+                               "gen = gen + 1 WHERE state = 2 AND slot NOT IN "
+                               "(SELECT slot FROM pins)").rowcount
+            if count:
+                freed()
+            return count
 
     @staticmethod
     def _free(db: sqlite3.Connection, slot: int) -> None:

@@ -8,6 +8,10 @@ Format (little-endian), offsets in bytes:
            offset, the identity digest (sha256 of the identity string) and
            the creation epoch (16 random bytes, also in the index: a segment
            and an index of different creations never pair up)
+    512    the drop count, u64: grows (inside the index transaction) each
+           time pages are dropped rather than evicted (a page that failed
+           its checks, the admin API's clear); readers forget the slots they
+           remembered (hints.py) when it changes
     4096   slot headers, ``SLOT_HEADER_BYTES`` (96) each, slot i at
            4096 + 96 i: generation u64 | length u64 | checksum u64 | key
            length u8 | 7 bytes of padding | key (``KEY_MAX_BYTES``, 64: a
@@ -21,6 +25,12 @@ generation the index gave that reservation. A reader trusts a slot's bytes
 only while the header's generation and key equal the index's (a slot freed
 or reused since has a newer generation in the index), so a page whose writer
 died, or that belongs to another key, is a miss, never wrong bytes.
+
+Before a member writes any byte of a slot it reserved, it *unseals* it: the
+header gets the reservation's generation and no key. So a slot's bytes
+change only while its seal names no key, and a reader that finds the same
+seal before and after copying a slot copied bytes no writer touched, pinned
+or not (``PINLESS_READS`` says where that holds).
 
 Why a plain file and ``mmap`` rather than ``multiprocessing.shared_memory``:
 before Python 3.13 every attacher's resource tracker unlinks the segment
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,7 +54,7 @@ from dataclasses import dataclass
 from vllm_hicache.node.errors import NodeTierError
 
 MAGIC = b"HICNODE1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: writers unseal before writing; the drop count
 HEADER_BYTES = 4096
 SLOT_HEADER_BYTES = 96
 KEY_MAX_BYTES = 64
@@ -52,7 +63,17 @@ KEY_MAX_BYTES = 64
 _SLOT_ALIGN_BYTES = 64
 _DATA_ALIGN_BYTES = 4096
 
+# Whether a reader may copy a slot without pinning it, trusting the seal
+# read before and after the copy: sound where other cores see a writer's
+# stores (unseal, then bytes) and a reader's loads (seal, bytes, seal) in
+# program order, as x86-64's total store order guarantees; elsewhere (Arm's
+# weaker order) readers pin the slot, and the index keeps writers out.
+PINLESS_READS = platform.machine().lower() in ("x86_64", "amd64")
+
 _HEADER = struct.Struct("<8sIIQQQQQ32s16s")
+_DROPS = struct.Struct("<Q")
+_DROPS_OFFSET = 512
+assert _HEADER.size <= _DROPS_OFFSET
 _SLOT = struct.Struct(f"<QQQB7x{KEY_MAX_BYTES}s")
 assert _SLOT.size == SLOT_HEADER_BYTES
 
@@ -200,6 +221,22 @@ class Segment:
     def write_seal(self, slot: int, seal: SlotSeal) -> None:
         _SLOT.pack_into(self._buffer(), HEADER_BYTES + slot * SLOT_HEADER_BYTES,
                         seal.generation, seal.length, seal.checksum, len(seal.key), seal.key)
+
+    def drops(self) -> int:
+        """The drop count (see the format)."""
+        return _DROPS.unpack_from(self._buffer(), _DROPS_OFFSET)[0]
+
+    def count_drop(self) -> None:
+        """Add one to the drop count; only inside an index write transaction,
+        which serialises this read-modify-write between members."""
+        _DROPS.pack_into(self._buffer(), _DROPS_OFFSET, self.drops() + 1)
+
+    def unseal(self, slot: int, generation: int) -> None:
+        """Mark a reserved slot as being written (its new generation, no key):
+        before its first byte changes, so that no seal check passes while it
+        does."""
+        _SLOT.pack_into(self._buffer(), HEADER_BYTES + slot * SLOT_HEADER_BYTES,
+                        generation, 0, 0, 0, b"")
 
     def seals_match(self, slots: Sequence[int], generations: Sequence[int],
                     keys: Sequence[bytes]) -> int:

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 import xxhash
 
 from vllm_hicache.node.errors import NodeTierError
+from vllm_hicache.node.hints import SlotHints
 from vllm_hicache.node.index import Claimed, Found
 from vllm_hicache.node.membership import Joined, index_path, join_tier, members_dir
 from vllm_hicache.node.reclaim import Sweeper, probe_and_release, reclaim_dead
-from vllm_hicache.node.segment import KEY_MAX_BYTES, Geometry, SlotSeal
+from vllm_hicache.node.segment import KEY_MAX_BYTES, PINLESS_READS, Geometry, SlotSeal
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,11 @@ class NodeTier:
         self._members_dir = members_dir(joined.directory)
         self._pid = os.getpid()
         self._left = False
+        # Whether ``hold_pages`` reads without pins (segment.py says where it
+        # may); tests turn it off to run the pinned protocol on x86-64.
+        self.pinless_reads = PINLESS_READS
+        g = self._segment.geometry
+        self._hints = SlotHints(g.num_slots, self._segment.seals_match)
         self._sweeper = Sweeper(name, index_path(joined.directory), self._members_dir,
                                 joined.member_id, lock_timeout_s, sweep_interval_s)
 
@@ -221,7 +227,7 @@ class NodeTier:
         if bad is not None:
             logger.warning("HiCache node tier %r: the page of key %s in slot %d failed its "
                            "seal; dropped", self.name, bad.key.hex(), bad.slot)
-            self._index.drop(bad)
+            self._index.drop(bad, self._segment.count_drop)
         return copied
 
     def _copy_out(self, hit: Found, dst: memoryview, verify_checksum: bool) -> bool:
@@ -248,18 +254,33 @@ class NodeTier:
 
     def mapping(self) -> memoryview:
         """The whole segment as this process maps it (header, seals, slots),
-        for a copy engine that reads slots in place (``pin_pages`` first).
+        for a copy engine that reads slots in place (``hold_pages`` first).
         Release views of it before ``leave``."""
         self._live()
         return self._segment.buffer()
 
-    def pin_pages(self, keys: Sequence[bytes]) -> list[Found]:
-        """Pin the longest sealed prefix of ``keys`` and say where each page
-        is (slot, generation): no member evicts or refills these slots until
+    def hold_pages(self, keys: Sequence[bytes]) -> list[Found]:
+        """Where the pages of the longest sealed prefix of ``keys`` are (slot,
+        generation), to be read in place and then given to
         ``release_pages``, which marks the ones read as used. Check each with
-        ``seal_holds`` before and after reading it in place."""
+        ``seals_held`` before and after reading it: a page that passes both
+        was read as sealed. With ``pinless_reads`` (segment.py's
+        ``PINLESS_READS``) that is all: pages this process found before come
+        from its hints while their seals hold (hints.py), the rest from one
+        index read, and a page refilled meanwhile fails its second check.
+        Otherwise the pages are pinned (an index write): no member evicts or
+        refills them until released."""
         self._live()
-        return self._index.pin(self.member_id, _check_keys(keys), mark_used=False)
+        keys = _check_keys(keys)
+        if not self.pinless_reads:
+            return self._index.pin(self.member_id, keys, mark_used=False)
+        drops = self._segment.drops()
+        pages = self._hints.prefix(keys, drops)
+        if len(pages) < len(keys):
+            found = self._index.find(keys[len(pages):])
+            self._hints.learn(found, drops)
+            pages += found
+        return pages
 
     def seal_holds(self, page: Found) -> bool:
         """Whether the slot's seal still names ``page`` (its key at its
@@ -273,11 +294,16 @@ class NodeTier:
                                          [p.key for p in pages])
 
     def release_pages(self, pages: Sequence[Found], hits: int, misses: int) -> None:
-        """Undo ``pin_pages``, counting the first ``hits`` pages used (marked
-        used now, for the eviction order) and ``misses`` not for this member."""
+        """End ``hold_pages`` (unpinning, where it pinned), counting the first
+        ``hits`` pages used (marked used now, for the eviction order) and
+        ``misses`` not for this member."""
         self._live()
-        self._index.unpin(self.member_id, [p.slot for p in pages], hits=hits, misses=misses,
-                          used=[p.slot for p in pages[:hits]])
+        used = [p.slot for p in pages[:hits]]
+        if self.pinless_reads:
+            self._index.mark_read(self.member_id, used, hits=hits, misses=misses)
+        else:
+            self._index.unpin(self.member_id, [p.slot for p in pages], hits=hits,
+                              misses=misses, used=used)
 
     def drop_page(self, page: Found, why: str) -> None:
         """Free a pinned slot whose bytes did not verify (``why``): the next
@@ -285,7 +311,8 @@ class NodeTier:
         self._live()
         logger.warning("HiCache node tier %r: the page of key %s in slot %d %s; dropped",
                        self.name, page.key.hex(), page.slot, why)
-        self._index.drop(page)
+        self._hints.forget(page.key)
+        self._index.drop(page, self._segment.count_drop)
 
     # --- publishing ------------------------------------------------------------------
 
@@ -301,6 +328,8 @@ class NodeTier:
         if len(claimed) < count and self.sweep():
             more, more_evicted = self._index.reserve(self.member_id, count - len(claimed))
             claimed, evicted = claimed + more, evicted + more_evicted
+        for c in claimed:  # before any byte is written: unpinned readers see it
+            self._segment.unseal(c.slot, c.gen)
         return Reserved([Reservation(c.slot, c.gen) for c in claimed], evicted)
 
     def view(self, reservation: Reservation) -> memoryview:
@@ -347,7 +376,7 @@ class NodeTier:
         """Drop every sealed page no member pins (the admin API's clear);
         returns how many. Pinned pages stay: a reader is copying them."""
         self._live()
-        return self._index.drop_unpinned()
+        return self._index.drop_unpinned(self._segment.count_drop)
 
     # --- reclaim, stats, checks ----------------------------------------------------
 
