@@ -40,6 +40,9 @@ from vllm_hicache.node.segment import KEY_MAX_BYTES, PINLESS_READS, Geometry, Sl
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "/dev/shm"
+# Most slots a process remembers (hints.py), about 200 bytes each: 128 GiB
+# of pages of 2 MiB, the hot part of a tier that a reader reads again.
+MAX_HINTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -123,8 +126,8 @@ class NodeTier:
         # Whether ``hold_pages`` reads without pins (segment.py says where it
         # may); tests turn it off to run the pinned protocol on x86-64.
         self.pinless_reads = PINLESS_READS
-        g = self._segment.geometry
-        self._hints = SlotHints(g.num_slots, self._segment.seals_match)
+        self._hints = SlotHints(min(self._segment.geometry.num_slots, MAX_HINTS),
+                                self._segment.seals_match)
         self._sweeper = Sweeper(name, index_path(joined.directory), self._members_dir,
                                 joined.member_id, lock_timeout_s, sweep_interval_s)
 
