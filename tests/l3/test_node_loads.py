@@ -451,3 +451,18 @@ def test_pinning_without_cuda_leaves_the_segment_pageable():
     pool = SegmentKVPool(memoryview(bytearray(4096)), num_slots=2, slot_stride_bytes=512,
                          first_payload_offset_bytes=64, like=like, pin_memory=True)
     assert not pool.is_pinned
+
+
+def test_a_remembered_page_s_seal_is_checked_once_before_the_copy(pair, monkeypatch):
+    """Pages found before come from the tier's hints with their seals just
+    checked: the loader checks only the others before copying, and every
+    page after."""
+    a, b, loader = pair
+    assert loader.load(HASHES, DST_BLOCKS) == 5  # found in the index, now remembered
+    checked = []
+    seals_held = b.tier.seals_held
+    monkeypatch.setattr(b.tier, "seals_held",
+                        lambda pages: checked.append(len(pages)) or seals_held(pages))
+    assert loader.load(HASHES, DST_BLOCKS) == 5
+    assert_loaded(a, b, 5)
+    assert checked == ([0, 5] if b.tier.pinless_reads else [5, 5])

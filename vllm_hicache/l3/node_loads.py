@@ -137,7 +137,8 @@ class NodeDirectLoader:
             return None
         usable = 0
         try:
-            sealed = self.tier.seals_held(pages)
+            # Remembered slots were checked as they were found; not twice.
+            sealed = pages.checked + self.tier.seals_held(pages[pages.checked:])
             for page, key in zip(pages[:sealed], keys):
                 if not self._verifies(page, key):
                     break

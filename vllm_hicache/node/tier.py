@@ -45,6 +45,16 @@ DEFAULT_ROOT = "/dev/shm"
 MAX_HINTS = 1 << 16
 
 
+class HeldPages(list[Found]):
+    """What ``hold_pages`` found, in key order; the first ``checked`` of them
+    had their seals checked as they were found (remembered slots), so a
+    reader checks the rest before its copy."""
+
+    def __init__(self, pages: Sequence[Found] = (), checked: int = 0) -> None:
+        super().__init__(pages)
+        self.checked = checked
+
+
 @dataclass(frozen=True)
 class Reservation:
     """A slot this member may fill, then seal or abort."""
@@ -262,12 +272,13 @@ class NodeTier:
         self._live()
         return self._segment.buffer()
 
-    def hold_pages(self, keys: Sequence[bytes]) -> list[Found]:
+    def hold_pages(self, keys: Sequence[bytes]) -> HeldPages:
         """Where the pages of the longest sealed prefix of ``keys`` are (slot,
         generation), to be read in place and then given to
         ``release_pages``, which marks the ones read as used. Check each with
-        ``seals_held`` before and after reading it: a page that passes both
-        was read as sealed. With ``pinless_reads`` (segment.py's
+        ``seals_held`` before (all but the first ``checked``, whose seals
+        were checked as they were found) and after reading it: a page that
+        passes both was read as sealed. With ``pinless_reads`` (segment.py's
         ``PINLESS_READS``) that is all: pages this process found before come
         from its hints while their seals hold (hints.py), the rest from one
         index read, and a page refilled meanwhile fails its second check.
@@ -276,14 +287,15 @@ class NodeTier:
         self._live()
         keys = _check_keys(keys)
         if not self.pinless_reads:
-            return self._index.pin(self.member_id, keys, mark_used=False)
+            return HeldPages(self._index.pin(self.member_id, keys, mark_used=False))
         drops = self._segment.drops()
-        pages = self._hints.prefix(keys, drops)
-        if len(pages) < len(keys):
-            found = self._index.find(keys[len(pages):])
+        remembered = self._hints.prefix(keys, drops)
+        held = HeldPages(remembered, checked=len(remembered))
+        if len(held) < len(keys):
+            found = self._index.find(keys[len(held):])
             self._hints.learn(found, drops)
-            pages += found
-        return pages
+            held += found
+        return held
 
     def seal_holds(self, page: Found) -> bool:
         """Whether the slot's seal still names ``page`` (its key at its
