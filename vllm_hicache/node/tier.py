@@ -40,7 +40,7 @@ from vllm_hicache.node.segment import KEY_MAX_BYTES, PINLESS_READS, Geometry, Sl
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "/dev/shm"
-# Most slots a process remembers (hints.py), about 200 bytes each: 128 GiB
+# Most slots a process remembers (hints.py), about 250 bytes each (16 MiB): 128 GiB
 # of pages of 2 MiB, the hot part of a tier that a reader reads again.
 MAX_HINTS = 1 << 16
 
