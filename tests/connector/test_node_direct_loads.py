@@ -162,6 +162,28 @@ def test_a_request_the_node_tier_no_longer_serves_when_scheduled_is_looked_up(
     assert b.sched_half.stats.load_error_blocks == 0
 
 
+def test_a_deferred_lookup_after_l3_was_detached_is_a_miss(tiny_model_dir, shm_root):
+    """The probe at arrival stood in for the L3 lookup; before vLLM has room
+    for the request the admin API detaches L3 (node tier and all): the
+    request is computed, with no lookup and no crash of the engine."""
+    from tests.admin.test_storage_control import settle
+    from vllm_hicache.admin.api import parse_detach
+
+    publish(tiny_model_dir, shm_root)
+    b = build(tiny_model_dir, shm_root, max_num_seqs=1)
+    b.add("x", list(range(3000, 3000 + BLOCK + 5)), max_tokens=8)
+    b.step()  # x runs; b, added now, waits for the only slot
+    b.add("b", PROMPT, max_tokens=1)
+    assert b.sched_half._reqs["b"].l3_lookup_deferred
+    status, body = settle(b, b.sched_half.storage_control.submit(
+        "detach", parse_detach({"pending_backups": "drop"})))
+    assert status == 200 and b.sched_half.l3 is None, body
+    assert "b" not in b.first_computed  # not scheduled yet: its deferred lookup is pending
+    b.run()
+    assert b.first_computed["b"] == 0
+    assert not b.sched_half._reqs  # both finished and forgotten
+
+
 def run_recording_recompute(b) -> tuple[int, list[int], set[int]]:
     """Run B's request "b": (tokens computed when first scheduled, tokens
     computed when it was scheduled next, the load errors B reported)."""

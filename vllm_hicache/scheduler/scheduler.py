@@ -53,7 +53,6 @@ from vllm_hicache.common.stats import HiCacheStats, SchedulerReport, key, overla
 from vllm_hicache.config import HiCacheConfig, LoadMode
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.metadata import HiCacheMetadata, HiCacheWorkerMetadata
-from vllm_hicache.connector.vllm_compat import l1_has_block
 from vllm_hicache.host.memory import check_fits
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.keys import loadable_block_limit
@@ -64,6 +63,7 @@ from vllm_hicache.policy.same_step import check_same_step_policy
 from vllm_hicache.policy.stop_budget import stop_budget
 from vllm_hicache.policy.write import WritePolicy, WritePolicyName, hit_counter_slots
 from vllm_hicache.scheduler.access_log import open_access_log
+from vllm_hicache.scheduler.arrivals import Arrivals
 from vllm_hicache.scheduler.failed_copies import FailedCopies
 from vllm_hicache.scheduler.graceful_stop import GracefulStop
 from vllm_hicache.scheduler.group_blocks import GroupBlocks
@@ -72,12 +72,6 @@ from vllm_hicache.scheduler.inflight import InflightLoads
 from vllm_hicache.scheduler.load_gate import LoadGate
 from vllm_hicache.scheduler.node_hits import NodeAdmission
 from vllm_hicache.scheduler.pd import loads_hits
-from vllm_hicache.scheduler.request_params import (
-    DEFAULT_CONTROLS,
-    NO_HICACHE,
-    RequestControls,
-    parse_request_params,
-)
 from vllm_hicache.scheduler.request_state import Lookup, ReqState, track_scheduled
 from vllm_hicache.scheduler.store_planner import L2StorePlanner
 from vllm_hicache.scheduler.write_back import EvictionWriteBacks
@@ -92,8 +86,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# Warnings about rejected kv_transfer_params, at most one per this many seconds.
-_PARAM_WARN_INTERVAL_S = 60.0
 # An idle engine keeps stepping for pending L3/async work at most this long
 # without any operation finishing.
 STALLED_WORK_S = 30.0
@@ -172,7 +164,6 @@ class HiCacheScheduler:
         self._step_node_loads: list[NodeLoadJob] = []
         self._step_same_step: list[SameStepLoad] = []
         self._inflight = InflightLoads()
-        self._block_pool: BlockPool | None = None
         # The engine's start line (connector.start_line) reports the sizes.
         # Models with a state group: which pages hold a usable state.
         self.page_states = PageStates(self.num_pages) if geom.mamba_groups else None
@@ -188,6 +179,8 @@ class HiCacheScheduler:
         # Node-tier hits loaded into L1 directly (node_hits.py).
         self.node_hits = NodeAdmission(self.block_size, self.load_gate, cfg.hicache_mem_layout,
                                        self.page_states is not None, self._groups.hybrid)
+        # Controls read and L3 lookups started as requests arrive (arrivals.py).
+        self.arrivals = Arrivals(self.tree, self.node_hits, self.stats, self.block_size)
         # What the L3 planner acts on (its own and a runtime attach's).
         self._l3_ctx = PlannerContext(self.tree, self.ops, self.stores.alloc_protecting,
                                       self.load_gate, self.stores.events,
@@ -197,7 +190,6 @@ class HiCacheScheduler:
         # Runtime attach/detach of L3 (admin API): install_commands.
         self.storage_control: StepCommands | None = None
         self._report = SchedulerReport()
-        self._param_warned_at = -_PARAM_WARN_INTERVAL_S
         # hicache_access_log, for the capacity planner (a no-op when off).
         self.access_log = open_access_log(cfg, geom, self.num_pages, local_ranks)
         # Where the wait of each L3 hit went (l3/hit_stages.py), for metrics.
@@ -300,7 +292,7 @@ class HiCacheScheduler:
         node = self._node_hit(request, num_computed_tokens)
         if node is not None:  # loaded as an L2 hit is: in the step unless async
             return node, self.load_async and node > 0
-        self._start_deferred_lookup(request)
+        self.arrivals.start_deferred(self._reqs.get(request.request_id), self.l3)
         if self.l3 is not None and self.l3.must_wait(request.request_id,
                                                      num_computed_tokens // self.block_size):
             return None, False  # per the prefetch policy: ask again later
@@ -544,73 +536,7 @@ class HiCacheScheduler:
     def on_new_request(self, request: Request) -> None:
         state = self._record(request)
         self.access_log.arrive(request, self._step)
-        controls = state.controls = self._read_controls(request, state)
-        if self.l3 is not None and controls.looks_up_l3 and self.serves_hits:
-            limit = loadable_block_limit(request.num_tokens, self.block_size)
-            chain = tuple(request.block_hashes[:limit])
-            resident, in_l2 = self._resident_blocks(chain)
-            if not in_l2 and self.node_hits.serves_arrival(self.l3, state, chain, resident,
-                                                            self._step):
-                state.l3_lookup_deferred = True
-                return
-            self._start_lookup(state, chain, resident)
-
-    def _start_lookup(self, state: ReqState, chain: tuple[bytes, ...], resident: int) -> None:
-        """The L3 lookup of the request's ``chain`` past its ``resident`` blocks."""
-        assert self.l3 is not None
-        cap = state.controls.load_block_cap(self.block_size)
-        if cap is not None:
-            chain = chain[: resident + cap]
-        self.l3.start_lookup(state.request.request_id, chain, resident)
-
-    def _start_deferred_lookup(self, request: Request) -> None:
-        """A request whose arrival probe stood in for its L3 lookup, and that
-        the node tier does not serve after all: look it up now."""
-        state = self._reqs.get(request.request_id)
-        if state is None or not state.l3_lookup_deferred:
-            return
-        state.l3_lookup_deferred = False
-        state.node_probe = None
-        limit = loadable_block_limit(request.num_tokens, self.block_size)
-        chain = tuple(request.block_hashes[:limit])
-        self._start_lookup(state, chain, self._resident_blocks(chain)[0])
-
-    def _read_controls(self, request: Request, state: ReqState) -> RequestControls:
-        """The request's kv_transfer_params controls. Bad ones never fail
-        the engine: the request runs without HiCache, the reason goes back
-        in its output's kv_transfer_params (``hicache_error``) and the log."""
-        params = request.kv_transfer_params
-        if not params:
-            return DEFAULT_CONTROLS
-        try:
-            return parse_request_params(params)
-        except ValueError as exc:
-            self.stats.record_param_error()
-            state.param_error = str(exc)
-            now = time.monotonic()
-            if now - self._param_warned_at >= _PARAM_WARN_INTERVAL_S:
-                self._param_warned_at = now
-                logger.warning("HiCache: request %s served without HiCache: %s "
-                               "(%d such requests so far; logged at most once a minute)",
-                               request.request_id, exc, self.stats.request_param_errors)
-            return NO_HICACHE
-
-    def _resident_blocks(self, chain: tuple[bytes, ...]) -> tuple[int, bool]:
-        """Leading blocks already in vLLM's own cache (L1) or in L2, and
-        whether L2 holds the block after L1's leading run (an L2 hit)."""
-        pages = self.tree.match(chain).pages
-        pool = self._block_pool
-
-        def in_l1(i: int) -> bool:
-            return pool is not None and l1_has_block(pool, chain[i])
-
-        i = 0
-        while i < len(chain) and in_l1(i):
-            i += 1
-        l1_run = i
-        while i < len(chain) and ((i < len(pages) and pages[i] is not None) or in_l1(i)):
-            i += 1
-        return i, i > l1_run
+        self.arrivals.arrive(state, self.l3 if self.serves_hits else None, self._step)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, str] | None]:
@@ -631,7 +557,7 @@ class HiCacheScheduler:
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
-        self._block_pool = block_pool
+        self.arrivals.bind(block_pool)
         self._groups.bind(block_pool)
         self.failed_copies.bind(block_pool)
         if self.cfg.hicache_write_policy == WritePolicyName.WRITE_BACK:
