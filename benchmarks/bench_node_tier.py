@@ -313,10 +313,25 @@ def report(plan: P.Plan, hit: dict, mem: dict, ttft: dict, differ: int, total: i
         f"  - host memory above vLLM alone, node tier / three private L2s of S: "
         f"{node_above / large_above:.2f}; node tier {node_above / s_bytes:.2f} x S "
         f"(target <= {1 + 0.05 * P.INSTANCES:.2f} x S: S plus 5% per instance)",
+        memory_split(node_above, mem["node tier files"], s_bytes),
         f"  - answers identical to vLLM alone: "
         f"{'yes' if not differ else f'NO ({differ} of {total} differ)'} ({total} requests)",
     ]
     return lines
+
+
+def memory_split(node_above: int, tier_files: int, s_bytes: int) -> str:
+    """The node tier's memory above vLLM alone as the tier's pages (its
+    tmpfs files, once for the machine) and what each instance adds beside
+    them (its staging L2, HiCache's code, threads and caches, each bounded
+    whatever S is: a process's slot hints at about 16 MiB), and the tier size
+    from which that rest is within 5% of S."""
+    per_instance = max(0, node_above - tier_files) / P.INSTANCES
+    return (f"    of which the tier's pages {tier_files / MiB:,.1f} MiB "
+            f"({tier_files / s_bytes:.2f} x S, once for the machine) and "
+            f"{per_instance / MiB:,.1f} MiB per instance beside them (bounded whatever S "
+            f"is): within 5% of S from S = "
+            f"{per_instance / 0.05 / (1 << 30):,.2f} GiB on")
 
 
 def ensure_model(model: Path) -> None:

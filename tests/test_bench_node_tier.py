@@ -169,3 +169,13 @@ def test_the_report_states_every_target_as_a_ratio():
     assert "hits short of the whole document: none" in text
     bad = "\n".join(bench.report(plan, hit, mem, ttft, differ=2, total=10))
     assert "NO (2 of 10 differ)" in bad
+
+
+def test_the_node_tier_s_memory_is_split_into_its_pages_and_each_instance_s_rest():
+    s = 100 * 2**20
+    line = bench.memory_split(s + 3 * 40 * 2**20, s, s)
+    assert "the tier's pages 100.0 MiB (1.00 x S, once for the machine)" in line
+    assert "40.0 MiB per instance beside them" in line
+    assert "from S = 0.78 GiB on" in line  # 40 MiB is 5% of 800 MiB
+    # Nothing beside the tier's pages: no negative rest.
+    assert "0.0 MiB per instance" in bench.memory_split(s - 2**20, s, s)
