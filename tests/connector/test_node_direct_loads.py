@@ -184,6 +184,35 @@ def test_a_deferred_lookup_after_l3_was_detached_is_a_miss(tiny_model_dir, shm_r
     assert not b.sched_half._reqs  # both finished and forgotten
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_after_l3_is_detached_and_attached_again_hits_load_from_the_new_membership(
+        tiny_model_dir, shm_root, mode):
+    """An admin detach and a new attach give B a new member of the tier (in
+    front of another store): its worker loads the next hit through that
+    member, not the one that left (whose reads all missed: recomputed)."""
+    from tests.admin.test_storage_control import mem_spec, settle
+    from vllm_hicache.admin.api import parse_detach
+
+    publish(tiny_model_dir, shm_root)
+    b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
+    old_loader = b.worker.worker._node_loads.loader
+    control = b.sched_half.storage_control
+    for kind, spec in (("detach", parse_detach({"pending_backups": "drop"})),
+                       ("attach", mem_spec("after-detach", prefetch_policy="best_effort"))):
+        status, body = settle(b, control.submit(kind, spec))
+        assert status == 200, (kind, body)
+    seen = watch_loads(b)
+    b.add("b", PROMPT, max_tokens=1)
+    b.run()
+    assert seen == [(PROMPT_BLOCKS, PROMPT_BLOCKS, [True] * PROMPT_BLOCKS)]
+    assert b.first_computed["b"] == PROMPT_BLOCKS * BLOCK
+    assert b.sched_half.stats.load_error_blocks == 0
+    loader = b.worker.worker._node_loads.loader
+    assert loader is not old_loader
+    assert loader.tier is b.worker.worker._rank_l3.io.pages.backend.tier
+    assert loader.counts["pages"] == PROMPT_BLOCKS and old_loader.counts["misses"] == 0
+
+
 def run_recording_recompute(b) -> tuple[int, list[int], set[int]]:
     """Run B's request "b": (tokens computed when first scheduled, tokens
     computed when it was scheduled next, the load errors B reported)."""

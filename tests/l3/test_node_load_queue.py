@@ -4,6 +4,7 @@ loaded are load errors, also when the loader raises or is missing."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -113,6 +114,68 @@ def test_loaded_pages_are_counted_once_for_the_direct_load_counter():
     assert queue.take_counts() == {"node_tier_direct_loaded_pages": 6.0}
     assert queue.take_counts() == {}
     queue.shutdown()
+
+
+# --- an admin switch of the L3 client: the loader replaced between steps ---
+
+class BlockingLoader(CountingLoader):
+    """Loads ``loaded`` pages once ``go`` is set."""
+
+    def __init__(self, loaded: int) -> None:
+        super().__init__(loaded=loaded)
+        self.go = threading.Event()
+
+    def load(self, hashes, block_ids, defer=None):
+        assert self.go.wait(10)
+        return super().load(hashes, block_ids, defer)
+
+
+def test_a_replaced_loader_closes_after_the_jobs_queued_before_the_switch():
+    old, new = BlockingLoader(loaded=1), CountingLoader(loaded=3)
+    queue = NodeLoadQueue(old, torch.device("cpu"))  # type: ignore[arg-type]
+    second = NodeLoadJob("r2", JOB.hashes, (1, 2, 3))
+    queue.submit([JOB, second])
+    deadline = time.monotonic() + 10
+    while not queue._loader_lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.001)  # the first job holds the old loader
+    switch = threading.Thread(target=queue.replace_loader, args=(new,))
+    switch.start()
+    time.sleep(0.05)
+    assert not old.closed  # never under a job that uses it
+    old.go.set()
+    switch.join(10)
+    assert queue.wait_idle(10)
+    done: set[str] = set()
+    failed: set[int] = set()
+    while len(done) < 2 and time.monotonic() < deadline:
+        got, lost = queue.poll()
+        done |= got
+        failed |= lost
+    # The running job ended on the old loader (1 of 3 pages); the queued one
+    # ran on whichever loader was in place when it started.
+    assert done == {"r", "r2"} and {5, 6} <= failed
+    assert old.counts["pages"] + new.counts["pages"] == 1 + (3 - len(failed - {5, 6}))
+    while not old.closed and time.monotonic() < deadline:
+        time.sleep(0.001)  # on the queue's thread, after the jobs queued before the switch
+    assert old.closed
+    queue.shutdown()
+    assert new.closed
+
+
+def test_the_direct_load_counter_goes_on_across_a_replaced_loader():
+    first = CountingLoader(loaded=3)
+    queue = NodeLoadQueue(first, torch.device("cpu"))  # type: ignore[arg-type]
+    queue.load_in_step([STEP_JOB])
+    assert queue.take_counts() == {"node_tier_direct_loaded_pages": 3.0}
+    queue.load_in_step([STEP_JOB])  # 3 more, not yet taken
+    queue.replace_loader(CountingLoader(loaded=2))  # type: ignore[arg-type]
+    queue.load_in_step([STEP_JOB])
+    assert queue.take_counts() == {"node_tier_direct_loaded_pages": 5.0}
+    queue.replace_loader(None)  # detached: recomputed, nothing counted
+    assert queue.load_in_step([STEP_JOB]) == {7, 8, 9}
+    assert queue.take_counts() == {}
+    queue.shutdown()
+    assert first.closed
 
 
 # --- in step on CPU: each layer copied as the forward reaches it ------------

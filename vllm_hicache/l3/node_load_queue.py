@@ -61,6 +61,7 @@ class NodeLoadQueue:
     def __init__(self, loader: NodeDirectLoader | None, device: torch.device,
                  num_layers: int = 0) -> None:
         self.loader = loader
+        self._device = device
         # CPU: in-step loads copy each layer as the forward reaches it (below).
         self._layerwise = device.type != "cuda" and num_layers > 0
         self._num_layers = num_layers
@@ -76,27 +77,56 @@ class NodeLoadQueue:
         # between threads: one job at a time, async or in step.
         self._loader_lock = threading.Lock()
         self._pages = Deltas()
+        # Pages loaded by loaders replaced since (replace_loader), and those
+        # loaders until they close.
+        self._pages_before = 0
+        self._replaced: list[NodeDirectLoader] = []
 
     def submit(self, jobs: list[NodeLoadJob]) -> None:
         for job in jobs:
             self._inflight[job.req_id] = (job, self._executor.submit(self._run, job))
 
     def _run(self, job: NodeLoadJob) -> int:
-        if self.loader is None:
-            return 0
         if self._stream is None:
             return self._load(job)
         with torch.cuda.stream(self._stream):
             return self._load(job)
 
     def _load(self, job: NodeLoadJob, in_step: bool = False) -> int:
-        assert self.loader is not None
         # In step, the forward waits for the load: its pages are released on
         # this queue's thread (the copy has ended; the transaction is only
         # bookkeeping).
         defer = self._executor.submit if in_step else None
-        with self._loader_lock:
+        with self._loader_lock:  # the loader of the moment (replace_loader)
+            if self.loader is None:
+                return 0
             return self.loader.load(job.hashes, job.block_ids, defer)
+
+    def replace_loader(self, loader: NodeDirectLoader | None) -> None:
+        """Load from ``loader``'s tier from now on (None: every job fails,
+        recomputed): the worker's L3 client changed between steps (an admin
+        attach, replace or detach). An async job queued before runs with the
+        loader in place when it starts (a page that loader does not find is
+        a miss; the seal checks hold whichever tier it reads); the old
+        loader closes on this queue's thread, after the jobs and deferred
+        releases queued before it, so before its tier leaves (the retired
+        client closes after a drain of seconds)."""
+        assert not self._open, "a loader is replaced between steps only"
+        with self._loader_lock:
+            old, self.loader = self.loader, loader
+            if old is not None:
+                self._pages_before += old.counts["pages"]
+        if loader is not None and self._stream is None and self._device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self._device)
+        if old is not None and old is not loader:
+            self._replaced.append(old)
+            self._executor.submit(self._close_replaced, old)
+
+    def _close_replaced(self, loader: NodeDirectLoader) -> None:
+        with self._loader_lock:
+            if loader in self._replaced:  # else shutdown closed it
+                self._replaced.remove(loader)
+                loader.close()
 
     def start_in_step(self, jobs: Sequence[NodeLoadJob]) -> set[int]:
         """This step's in-step loads, before its forward; the blocks that
@@ -176,10 +206,8 @@ class NodeLoadQueue:
     def take_counts(self) -> dict[str, float]:
         """Pages loaded into L1 since the last call (the
         ``node_tier_direct_loaded_pages`` counter); {} when none."""
-        if self.loader is None:
-            return {}
-        pages = float(self.loader.counts["pages"])
-        return self._pages.take({key("node_tier_direct_loaded_pages"): pages})
+        pages = self._pages_before + (self.loader.counts["pages"] if self.loader else 0)
+        return self._pages.take({key("node_tier_direct_loaded_pages"): float(pages)})
 
     def poll(self) -> tuple[set[str], set[int]]:
         """Requests whose job ended since the last poll, and the blocks of
@@ -206,26 +234,44 @@ class NodeLoadQueue:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        for loader in self._replaced:  # their close may have been cancelled
+            loader.close()
+        self._replaced.clear()
         if self.loader is not None:
             self.loader.close()
+
+
+def has_node_tier(pages: object) -> bool:
+    """Does this L3 client (its ``PageStore``) have a node tier in front?"""
+    return isinstance(pages, PageStore) and isinstance(pages.backend, NodeChainBackend)
+
+
+def direct_loader(pages: object, kv_tensors: Sequence[torch.Tensor],
+                  layouts: Sequence[DeviceKVLayout], io_backend: str,
+                  hybrid: bool) -> NodeDirectLoader | None:
+    """A loader from the node tier of this L3 client (``pages``) into these
+    L1 tensors when its slots can be read in place (the scheduler half
+    applies the same rules before it sends a job); None otherwise."""
+    if not has_node_tier(pages):
+        return None
+    assert isinstance(pages, PageStore) and isinstance(pages.backend, NodeChainBackend)
+    if hybrid:
+        logger.info("HiCache node tier: hits are staged through L2 (several KV cache groups)")
+        return None
+    try:
+        return build_direct_loader(pages.backend.tier, pages, kv_tensors, layouts, io_backend)
+    except ValueError as e:
+        logger.info("HiCache node tier: %s; hits are staged through L2", e)
+        return None
 
 
 def node_load_queue(pages: object, kv_tensors: Sequence[torch.Tensor],
                     layouts: Sequence[DeviceKVLayout], io_backend: str,
                     hybrid: bool) -> NodeLoadQueue | None:
     """The queue of a worker whose L3 client (``pages``) has a node tier:
-    with a loader when the slots can be read in place (the scheduler half
-    applies the same rules before it sends a job), else one that fails its
-    jobs. None without a node tier."""
-    if not isinstance(pages, PageStore) or not isinstance(pages.backend, NodeChainBackend):
+    with its ``direct_loader``, or one that fails its jobs where the slots
+    cannot be read in place. None without a node tier."""
+    if not has_node_tier(pages):
         return None
-    loader = None
-    if hybrid:
-        logger.info("HiCache node tier: hits are staged through L2 (several KV cache groups)")
-    else:
-        try:
-            loader = build_direct_loader(pages.backend.tier, pages, kv_tensors, layouts,
-                                         io_backend)
-        except ValueError as e:
-            logger.info("HiCache node tier: %s; hits are staged through L2", e)
+    loader = direct_loader(pages, kv_tensors, layouts, io_backend, hybrid)
     return NodeLoadQueue(loader, kv_tensors[0].device, len(kv_tensors))
