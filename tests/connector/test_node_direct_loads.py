@@ -213,6 +213,34 @@ def test_after_l3_is_detached_and_attached_again_hits_load_from_the_new_membersh
     assert loader.counts["pages"] == PROMPT_BLOCKS and old_loader.counts["misses"] == 0
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_request_whose_node_loads_keep_failing_is_computed_not_offered_the_hit_forever(
+        tiny_model_dir, shm_root, mode):
+    """The scheduler half finds the prefix in the tier, and B's worker
+    cannot load any of it, and drops nothing (here: it has no loader; in
+    the field, halves that disagree, e.g. a rank whose tier fails its
+    reads). Under async loads vLLM then asks again for the request it just
+    recomputed from block 0: the hit is offered at most MAX_NODE_ADMISSIONS
+    times, then the request is computed."""
+    from vllm_hicache.scheduler.node_hits import MAX_NODE_ADMISSIONS
+
+    publish(tiny_model_dir, shm_root)
+    b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
+    b.worker.worker._node_loads.replace_loader(None)
+    b.add("b", PROMPT, max_tokens=1)
+    admitted = []
+    inner = b.sched_half.node_hits.admit
+
+    def admit(state, *args):
+        admitted.append(state.request.request_id)
+        return inner(state, *args)
+
+    b.sched_half.node_hits.admit = admit
+    b.run()
+    assert 1 <= len(admitted) <= MAX_NODE_ADMISSIONS
+    assert b.scheduler.requests == {} and not b.sched_half._reqs
+
+
 def run_recording_recompute(b) -> tuple[int, list[int], set[int]]:
     """Run B's request "b": (tokens computed when first scheduled, tokens
     computed when it was scheduled next, the load errors B reported)."""

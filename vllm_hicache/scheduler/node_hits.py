@@ -22,6 +22,14 @@ The probe's answer serves the schedule pass right after the arrival, a
 later pass asks again, and a request the tier no longer serves then is
 looked up in L3 there (by the scheduler).
 
+A request is offered a node-tier hit at most ``MAX_NODE_ADMISSIONS``
+times. vLLM asks again for a request it preempted, and also for one whose
+async load failed from its first block (it recomputes from there, as a new
+request). A load that fails because the tier's page is gone or bad drops the
+page, so the next probe misses; but where the halves disagree for good (a
+rank whose reads of the tier fail, while the scheduler's lookups succeed),
+the same hit would be offered and fail step after step.
+
 Only where every rank can read the slots in place (storage/node_direct.py's
 ``config_blocker``: no head slices, no state pages, no encryption, a
 page-major layout) and the model has one KV cache group. Nothing is pinned
@@ -49,6 +57,10 @@ if TYPE_CHECKING:
     from vllm_hicache.l3.planner import L3Planner
 
 logger = logging.getLogger(__name__)
+
+# Times one request is offered a node-tier hit (module doc): a preemption's
+# second chance, not a loop.
+MAX_NODE_ADMISSIONS = 2
 
 
 class NodeHits:
@@ -106,7 +118,8 @@ class NodeAdmission:
     Called from the scheduler's hooks, on vLLM's scheduling thread only,
     with the current L3 planner (None: no L3, so no node tier). Mutates the
     ``ReqState`` it is given (``node_probe``, ``lookup``,
-    ``declined_blocks``, ``hit_tokens_by_tier``, ``num_planned``), the stats
+    ``declined_blocks``, ``hit_tokens_by_tier``, ``num_planned``,
+    ``node_admissions``), the stats
     passed to ``admit``, and the planner's per-request prefetch (``forget``).
     """
 
@@ -119,6 +132,7 @@ class NodeAdmission:
         self._hybrid = hybrid
         # NodeHits of the planner last seen (attached, replaced or detached since).
         self._hits: tuple[object, NodeHits | None] = (None, None)
+        self._warned_readmission = False
 
     def hits(self, planner: L3Planner | None) -> NodeHits | None:
         """The direct-hit lookups behind ``planner``; None where hits stay on
@@ -155,6 +169,15 @@ class NodeAdmission:
         hits = self.hits(planner)
         if hits is None or not state.controls.loads_l2:
             return None
+        if state.node_admissions >= MAX_NODE_ADMISSIONS:
+            if not self._warned_readmission:
+                self._warned_readmission = True
+                logger.warning(
+                    "HiCache node tier: request %s was offered a node-tier hit %d times and "
+                    "is computed instead; its loads did not land (a worker that cannot read "
+                    "the tier the scheduler finds pages in?); logged once",
+                    state.request.request_id, state.node_admissions)
+            return None
         start = num_computed_tokens // self.block_size
         end = self._capped(state, start,
                            loadable_block_limit(state.request.num_tokens, self.block_size))
@@ -189,6 +212,7 @@ class NodeAdmission:
         the node tier: counted as L3 hits, no L2 page or op (a failure is a
         load error)."""
         request = state.request
+        state.node_admissions += 1
         stats.record_load(end - start)
         tiers = (0, (end - start) * self.block_size)
         stats.record_hit_tokens(*tiers)

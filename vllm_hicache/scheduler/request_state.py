@@ -78,6 +78,8 @@ class ReqState:
     # serve it after all).
     node_probe: NodeProbe | None = None
     l3_lookup_deferred: bool = False
+    # Times it was admitted with a node-tier hit (node_hits.py caps them).
+    node_admissions: int = 0
     # (L2, L3) tokens of the hit just admitted, until vLLM asks for them
     # (get_external_cache_hit_sources); None when not loaded or asked already.
     hit_tokens_by_tier: tuple[int, int] | None = None
