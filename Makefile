@@ -84,10 +84,13 @@ test-fast: $(STAMP)
 # scheduler-half stress at 24 seeds x 3000 steps, 3000 requests through a
 # real engine with aborts and a stalling L3 (RSS curve: .cache/soak-rss.txt),
 # the node tier's multi-process kill stress at 4 seeds x 40 rounds, and the
-# three-server node-tier rotation again with a file L3 behind the tier.
+# three-server node-tier rotation again with a file L3 behind the tier, and
+# node-tier hits under random admin switches at 12 seeds x 600 steps.
 soak: $(STAMP) $(MODEL)/.complete
 	HICACHE_STRESS_STEPS=3000 HICACHE_STRESS_SEEDS=24 \
 		$(PY) -m pytest -q tests/connector/test_stress.py
+	HICACHE_STRESS_STEPS=600 HICACHE_STRESS_NODE_SEEDS=12 \
+		$(PY) -m pytest -q tests/connector/test_stress_node_admin.py
 	HICACHE_SOAK=1 HICACHE_SOAK_REPORT=.cache/soak-rss.txt \
 		$(PY) -m pytest -q -s tests/e2e/test_soak.py
 	HICACHE_SOAK=1 $(PY) -m pytest -q -m soak tests/node/test_stress.py

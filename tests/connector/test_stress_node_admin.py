@@ -9,8 +9,8 @@ resets, late async loads), so B's requests find what A computed in the
 tier and load it into L1 directly (node_hits.py), or defer their L3 lookup
 to the node tier's arrival probe (arrivals.py). At seeded random moments
 B's L3 is detached (the node tier and all, pending backups finished or
-dropped) and attached again (the node tier in front of an in-memory
-store), between a request's arrival and its first schedule pass
+dropped), replaced, or attached again (the node tier in front of a new
+in-memory store), between a request's arrival and its first schedule pass
 included. After every step both scheduler halves pass
 ``check_integrity()``, every block loaded from L2 or straight from the
 tier holds exactly the bytes computed for it, and no hook raises; at the
@@ -81,13 +81,17 @@ def watch_node_loads(h, checks: list[bool]) -> None:
 
 
 def switch_l3(h, rng: random.Random) -> str:
-    """Detach B's L3, or attach the node tier again (over a memory store)."""
+    """Detach B's L3 or replace it (the node tier over a new memory store),
+    or attach it again after a detach."""
     control = h.sched_half.storage_control
-    if h.sched_half.l3 is not None:
-        kind, spec = "detach", parse_detach({"pending_backups": rng.choice(("finish", "drop"))})
+    pending = rng.choice(("finish", "drop"))
+    if h.sched_half.l3 is not None and rng.random() < 0.5:
+        kind, spec = "detach", parse_detach({"pending_backups": pending})
     else:
-        kind, spec = "attach", mem_spec(uuid.uuid4().hex, prefetch_policy="best_effort")
-    status, body = settle(h, control.submit(kind, spec))
+        kind = "replace" if h.sched_half.l3 is not None else "attach"
+        spec = mem_spec(uuid.uuid4().hex, prefetch_policy="best_effort",
+                        **({"pending_backups": pending} if kind == "replace" else {}))
+    status, body = settle(h, control.submit("detach" if kind == "detach" else "attach", spec))
     assert status == 200, (kind, body)
     return kind
 
@@ -103,7 +107,7 @@ def test_node_hits_survive_l3_detached_and_attached_under_traffic(tiny_model_dir
                 for _ in range(4)]
     histories: dict[str, list[list[int]]] = {"a": [], "b": []}
     next_ids = {"a": [0], "b": [0]}
-    switches = {"detach": 0, "attach": 0}
+    switches = {"detach": 0, "attach": 0, "replace": 0}
     deferred_at_switch = 0
     for _ in range(STEPS):
         for name, h in (("a", a), ("b", b)):
