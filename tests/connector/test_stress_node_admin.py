@@ -30,7 +30,7 @@ import pytest
 
 from tests.admin.test_storage_control import mem_spec, settle
 from tests.connector.harness import BLOCK, close_open_harnesses, make_harness
-from tests.connector.test_stress import drain, traffic_step
+from tests.connector.test_stress import WRITE_POLICIES, drain, traffic_step
 from vllm_hicache.admin.api import parse_detach
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -47,10 +47,11 @@ def shm_root(node_root):
     close_open_harnesses()  # leave the tier before node_root removes it
 
 
-def build(model_dir, root: str, load_mode: str):
+def build(model_dir, root: str, load_mode: str, write_policy: str):
     return make_harness(
         model_dir, num_blocks=24, max_num_seqs=4, hicache_ratio=2,
-        hicache_load_mode=load_mode, hicache_mem_layout="page_first_direct",
+        hicache_load_mode=load_mode, hicache_write_policy=write_policy,
+        hicache_mem_layout="page_first_direct",
         node_tier_bytes=16 << 20, node_tier_name="stress-admin", node_tier_root=root,
         hicache_storage_prefetch_policy="best_effort",
         hicache_storage_backend_extra_config={"prefetch_threshold": BLOCK})
@@ -100,8 +101,10 @@ def switch_l3(h, rng: random.Random) -> str:
 def test_node_hits_survive_l3_detached_and_attached_under_traffic(tiny_model_dir, shm_root,
                                                                   seed: int) -> None:
     rng = random.Random(seed)
+    # Every write policy and load mode across the default seeds.
     mode = ("layerwise", "async")[seed % 2]
-    a, b = build(tiny_model_dir, shm_root, mode), build(tiny_model_dir, shm_root, mode)
+    policy = WRITE_POLICIES[seed % len(WRITE_POLICIES)]
+    a, b = (build(tiny_model_dir, shm_root, mode, policy) for _ in range(2))
     node_checks: list[bool] = []
     prefixes = [[rng.randrange(50, 450) for _ in range(rng.randint(2, 4) * BLOCK)]
                 for _ in range(4)]
@@ -125,5 +128,5 @@ def test_node_hits_survive_l3_detached_and_attached_under_traffic(tiny_model_dir
     assert all(a.load_checks) and all(b.load_checks), "an L2 load held other bytes"
     for h in (a, b):
         drain(h)
-    print(f"seed {seed}: {switches}, {len(node_checks)} node-loaded blocks, "
+    print(f"seed {seed} ({mode}, {policy}): {switches}, {len(node_checks)} node-loaded blocks, "
           f"{deferred_at_switch} deferred lookups pending at a switch")
