@@ -22,9 +22,12 @@ _STOP = object()
 
 
 class DaemonPool:
-    def __init__(self, num_threads: int, name: str) -> None:
+    def __init__(self, num_threads: int, name: str, nice: int = 0) -> None:
+        """``nice``: steps below the process's CPU priority its threads run
+        at (io_threads.BACKUP_NICE for backups)."""
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self._nice = nice
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._lock = threading.Lock()
@@ -44,7 +47,7 @@ class DaemonPool:
         return future
 
     def _run(self) -> None:
-        io_threads.enter_io_thread()
+        io_threads.enter_io_thread(self._nice)
         while True:
             item = self._queue.get()
             if item is _STOP:
