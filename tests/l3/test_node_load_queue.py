@@ -10,7 +10,7 @@ import time
 import torch
 
 from vllm_hicache.common.jobs import NodeLoadJob
-from vllm_hicache.l3.node_load_queue import NodeLoadQueue, node_load_queue
+from vllm_hicache.l3.node_load_queue import L1Target, NodeLoadQueue, node_load_queue
 from vllm_hicache.l3.node_loads import OpenLoad
 
 JOB = NodeLoadJob("r", (b"a" * 32, b"b" * 32, b"c" * 32), (4, 5, 6))
@@ -64,7 +64,7 @@ def test_without_a_loader_every_job_is_recomputed():
 
 
 def test_no_node_tier_means_no_queue():
-    assert node_load_queue(object(), [torch.zeros(1)], [], "direct", False) is None
+    assert node_load_queue(object(), L1Target([torch.zeros(1)], [], "direct"), False) is None
 
 
 # --- in step: the request was admitted with a synchronous load -------------

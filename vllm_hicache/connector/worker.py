@@ -50,10 +50,15 @@ from vllm_hicache.datapath import KVDataPath, allocate_pool
 from vllm_hicache.datapath.clock import CopyClock
 from vllm_hicache.datapath.grouped import block_view
 from vllm_hicache.host import HostKVPool
-from vllm_hicache.kernels import DeviceKVLayout, describe_kv_tensor
+from vllm_hicache.kernels import describe_kv_tensor
 from vllm_hicache.kernels.io_backends import IOBackend
 from vllm_hicache.l3.attach_worker import RankL3
-from vllm_hicache.l3.node_load_queue import NodeLoadQueue, direct_loader, node_load_queue
+from vllm_hicache.l3.node_load_queue import (
+    L1Target,
+    NodeLoadQueue,
+    direct_loader,
+    node_load_queue,
+)
 from vllm_hicache.l3.same_step import StreamedLoads, split_loads
 from vllm_hicache.l3.setup import build_storage_io, worker_id
 from vllm_hicache.l3.worker_io import StorageIO
@@ -100,9 +105,8 @@ class HiCacheWorker:
         # None without a node tier. Blocks they did not load, not yet reported.
         self._node_loads: NodeLoadQueue | None = None
         self._node_load_errors: set[int] = set()
-        # L1 tensors, their layouts and the copy backend a node-tier loader
-        # copies with (register_kv_caches sets them).
-        self._node_copy_args: tuple[list[torch.Tensor], list[DeviceKVLayout], str] | None = None
+        # What a node-tier loader copies into (register_kv_caches sets it).
+        self._node_target: L1Target | None = None
         # This step's same-step loads, copied as their reads deliver each
         # layer (CPU; l3/same_step.py); None when the step has none.
         self._streamed: StreamedLoads | None = None
@@ -161,12 +165,12 @@ class HiCacheWorker:
             group_layers=[g.layers for g in self.geom.groups],
             num_l1_blocks=self.geom.num_l1_blocks)
         self._rank_l3.worker_id = worker_id(self._vllm_config)
-        # What a node-tier loader copies into, for the one the L3 client has
-        # now and for those of clients an admin attach brings later.
-        self._node_copy_args = (tensors, layouts, cfg.hicache_io_backend)
+        # For the L3 client's node-tier loader now, and those of clients an
+        # admin attach brings later.
+        self._node_target = L1Target(tensors, layouts, cfg.hicache_io_backend)
         if cfg.storage is not None:
             self._rank_l3.io = build_storage_io(cfg, self.geom, self._vllm_config, pool)
-            self._node_loads = node_load_queue(self._rank_l3.io.pages, *self._node_copy_args,
+            self._node_loads = node_load_queue(self._rank_l3.io.pages, self._node_target,
                                                self._hybrid)
         # The engine's one INFO line is the scheduler half's (connector.start_line).
         logger.debug(
@@ -282,15 +286,14 @@ class HiCacheWorker:
         """Node-tier loads go to the serving L3 client's tier, the one the
         scheduler half's hits now come from: none after a detach (its jobs
         fail, recomputed), the new client's after an attach or replace."""
-        if self._node_copy_args is None:
+        if self._node_target is None:
             return  # no KV caches yet: register_kv_caches builds the queue
         io = self._rank_l3.io
         pages = io.pages if io is not None else None
         if self._node_loads is None:
-            self._node_loads = node_load_queue(pages, *self._node_copy_args, self._hybrid)
+            self._node_loads = node_load_queue(pages, self._node_target, self._hybrid)
         else:
-            self._node_loads.replace_loader(
-                direct_loader(pages, *self._node_copy_args, self._hybrid))
+            self._node_loads.replace_loader(direct_loader(pages, self._node_target, self._hybrid))
 
     def _build_io(self, storage: StorageConfig,
                   canary_pages: tuple[int, int] | None) -> StorageIO:

@@ -43,6 +43,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import NamedTuple
 
 import torch
 
@@ -246,12 +247,20 @@ def has_node_tier(pages: object) -> bool:
     return isinstance(pages, PageStore) and isinstance(pages.backend, NodeChainBackend)
 
 
-def direct_loader(pages: object, kv_tensors: Sequence[torch.Tensor],
-                  layouts: Sequence[DeviceKVLayout], io_backend: str,
-                  hybrid: bool) -> NodeDirectLoader | None:
-    """A loader from the node tier of this L3 client (``pages``) into these
-    L1 tensors when its slots can be read in place (the scheduler half
-    applies the same rules before it sends a job); None otherwise."""
+class L1Target(NamedTuple):
+    """What a worker's node-tier loaders copy into: its rank's KV cache
+    tensors, their layouts, and the copy backend (the worker's, after its
+    platform fallbacks)."""
+
+    kv_tensors: Sequence[torch.Tensor]
+    layouts: Sequence[DeviceKVLayout]
+    io_backend: str
+
+
+def direct_loader(pages: object, l1: L1Target, hybrid: bool) -> NodeDirectLoader | None:
+    """A loader from the node tier of this L3 client (``pages``) into ``l1``
+    when its slots can be read in place (the scheduler half applies the
+    same rules before it sends a job); None otherwise."""
     if not has_node_tier(pages):
         return None
     assert isinstance(pages, PageStore) and isinstance(pages.backend, NodeChainBackend)
@@ -259,19 +268,18 @@ def direct_loader(pages: object, kv_tensors: Sequence[torch.Tensor],
         logger.info("HiCache node tier: hits are staged through L2 (several KV cache groups)")
         return None
     try:
-        return build_direct_loader(pages.backend.tier, pages, kv_tensors, layouts, io_backend)
+        return build_direct_loader(pages.backend.tier, pages, l1.kv_tensors, l1.layouts,
+                                   l1.io_backend)
     except ValueError as e:
         logger.info("HiCache node tier: %s; hits are staged through L2", e)
         return None
 
 
-def node_load_queue(pages: object, kv_tensors: Sequence[torch.Tensor],
-                    layouts: Sequence[DeviceKVLayout], io_backend: str,
-                    hybrid: bool) -> NodeLoadQueue | None:
+def node_load_queue(pages: object, l1: L1Target, hybrid: bool) -> NodeLoadQueue | None:
     """The queue of a worker whose L3 client (``pages``) has a node tier:
     with its ``direct_loader``, or one that fails its jobs where the slots
     cannot be read in place. None without a node tier."""
     if not has_node_tier(pages):
         return None
-    loader = direct_loader(pages, kv_tensors, layouts, io_backend, hybrid)
-    return NodeLoadQueue(loader, kv_tensors[0].device, len(kv_tensors))
+    return NodeLoadQueue(direct_loader(pages, l1, hybrid), l1.kv_tensors[0].device,
+                         len(l1.kv_tensors))
