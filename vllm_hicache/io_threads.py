@@ -20,9 +20,10 @@ Backups run below the engine's priority (``BACKUP_NICE``): nobody waits for
 them, and on a CPU server the core vLLM leaves for the connector is also the
 core its engine core, API server and tokenizers run on. There, a backup
 thread that holds the core when a step's output arrives delays the next step
-while the forward's core waits (measured on a 2-core server: no-reuse
-throughput at high load 0.961 of vLLM alone's, 1.013 with the backups niced,
-eight alternated pairs; docs/benchmarks.md). Backups still get every idle
+while the forward's core waits (measured: the worker's compute thread spent
+about 45 ms more per request waiting, 0.976 of vLLM alone's no-reuse
+throughput at high load, against 1.037 with the backups niced; four
+alternated runs each, docs/benchmarks.md). Backups still get every idle
 moment. Reads (a request waits for them) keep the engine's priority.
 
 ``enter_io_thread`` also gives the OS thread its Python name (``hicache-l3r-0``,
