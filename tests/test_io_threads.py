@@ -97,23 +97,3 @@ def test_named_thread_is_named_and_stays_where_it_started(io_cores):
     thread.start()
     thread.join(10)
     assert seen == [(7, "hicache-test", set(ALLOWED))]
-
-
-def thread_nice() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-
-def test_backup_pools_run_below_the_process_priority_and_others_at_it():
-    """io_threads.BACKUP_NICE: a pool made for backups lowers its threads'
-    priority (per thread, on Linux); the caller and other pools keep theirs."""
-    base = thread_nice()
-    backups, reads = DaemonPool(2, "test-w", nice=io_threads.BACKUP_NICE), DaemonPool(1, "test-r")
-    try:
-        assert {backups.submit(thread_nice).result(timeout=10) for _ in range(4)} == {
-            min(19, base + io_threads.BACKUP_NICE)}
-        assert reads.submit(thread_nice).result(timeout=10) == base
-    finally:
-        backups.shutdown()
-        reads.shutdown()
-    assert thread_nice() == base
-

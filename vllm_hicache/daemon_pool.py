@@ -22,12 +22,9 @@ _STOP = object()
 
 
 class DaemonPool:
-    def __init__(self, num_threads: int, name: str, nice: int = 0) -> None:
-        """``nice``: steps below the process's CPU priority its threads run
-        at (io_threads.BACKUP_NICE for backups)."""
+    def __init__(self, num_threads: int, name: str) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        self._nice = nice
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._lock = threading.Lock()
@@ -47,7 +44,7 @@ class DaemonPool:
         return future
 
     def _run(self) -> None:
-        io_threads.enter_io_thread(self._nice)
+        io_threads.enter_io_thread()
         while True:
             item = self._queue.get()
             if item is _STOP:

@@ -16,16 +16,6 @@ such cores (a GPU platform, binding turned off, every allowed core
 computing) nothing moves. Threads of the scheduler half are never pinned:
 EngineCore is not bound.
 
-Backups run below the engine's priority (``BACKUP_NICE``): nobody waits for
-them, and on a CPU server the core vLLM leaves for the connector is also the
-core its engine core, API server and tokenizers run on. There, a backup
-thread that holds the core when a step's output arrives delays the next step
-while the forward's core waits (measured: the worker's compute thread spent
-about 45 ms more per request waiting, 0.976 of vLLM alone's no-reuse
-throughput at high load, against 1.037 with the backups niced; four
-alternated runs each, docs/benchmarks.md). Backups still get every idle
-moment. Reads (a request waits for them) keep the engine's priority.
-
 ``enter_io_thread`` also gives the OS thread its Python name (``hicache-l3r-0``,
 cut to the kernel's 15 characters), as ``named_thread`` does for our other
 threads, so ``top -H``, ``ps -L`` and per-thread CPU accounting tell our
@@ -37,16 +27,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
 _io_cpus: frozenset[int] = frozenset()
-# How much lower (in nice steps) backup threads run than the process (module doc).
-BACKUP_NICE = 10
-_MAX_NICE = 19
 _PR_SET_NAME = 15  # prctl(2): name the calling thread
 _THREAD_NAME_BYTES = 15  # the kernel's limit, without the terminating NUL
 
@@ -60,28 +46,10 @@ def configure(io_cpus: frozenset[int]) -> None:
                     sorted(_io_cpus))
 
 
-def enter_io_thread(nice: int = 0) -> None:
-    """Name the calling thread for the OS, move it to the I/O cores and, by
-    ``nice`` steps (``BACKUP_NICE`` for backups), below the process's
-    priority."""
+def enter_io_thread() -> None:
+    """Name the calling thread for the OS and move it to the I/O cores."""
     _name_native_thread(threading.current_thread().name)
     _pin_current_thread()
-    if nice > 0:
-        lower_thread_priority(nice)
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Lower the calling thread's CPU priority by ``nice`` steps (at most to
-    the lowest). Linux only, where a thread has a nice value of its own
-    (elsewhere setpriority would name a process); a failure leaves it."""
-    if not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        current = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(_MAX_NICE, current + nice))
-    except OSError as exc:
-        logger.debug("HiCache: could not lower thread %d's priority: %s", tid, exc)
 
 
 def named_thread(target: Callable[..., object], name: str, *, args: tuple = (),

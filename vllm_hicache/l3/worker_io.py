@@ -48,7 +48,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vllm_hicache import io_threads
 from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress, PrefetchTiming
 from vllm_hicache.common.stats import WorkerCounters, key
 from vllm_hicache.daemon_pool import DaemonPool
@@ -115,8 +114,7 @@ class StorageIO:
         # process from exiting once shutdown has given up on it. Reads apart
         # from writes (module doc).
         self._read_pool = DaemonPool(num_threads, "hicache-l3r")
-        # Backups below the engine's priority, reads at it (io_threads.py).
-        self._write_pool = DaemonPool(num_threads, "hicache-l3w", nice=io_threads.BACKUP_NICE)
+        self._write_pool = DaemonPool(num_threads, "hicache-l3w")
         self._lock = threading.Lock()
         # Notified whenever a prefetch's progress changes (wait_read).
         self._read_changed = threading.Condition(self._lock)

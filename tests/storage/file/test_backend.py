@@ -221,18 +221,3 @@ def test_hung_directory_fails_start_in_time(root, monkeypatch):
     with pytest.raises(ValueError, match=f"file backend.*{root}.*did not answer"):
         make(("file", {"path": str(root)}))
     assert time.monotonic() - start < 1.5
-
-
-def test_writes_fan_out_below_the_engine_s_priority_and_reads_at_it(backend):  # noqa: F811
-    """A put's slices run on threads io_threads.BACKUP_NICE steps below the
-    process (a backup nobody waits for); a get's on threads at its priority."""
-    from vllm_hicache import io_threads
-
-    def nice() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    base = nice()
-    writes, reads = backend._executor(True), backend._executor(False)
-    assert writes.submit(nice).result(timeout=10) == min(19, base + io_threads.BACKUP_NICE)
-    assert reads.submit(nice).result(timeout=10) == base
-    assert backend._executor(True) is writes  # made once

@@ -44,7 +44,6 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -91,9 +90,7 @@ class FileBackend(StorageBackend):
         self._store, self._capacity = _open_root(self.config, self._umask)
         # The directory actually held (a symlinked path resolved once).
         self.root = self._store.path
-        # Threads for reads, and for writes (below the engine's priority:
-        # io_threads.BACKUP_NICE); each made on first use.
-        self._pools: dict[bool, DaemonPool] = {}
+        self._pool: DaemonPool | None = None
         self._lock = threading.Lock()
         self._counts = Counters("gets", "get_hits", "get_bytes", "puts", "put_ok", "put_bytes",
                                 "errors")
@@ -125,7 +122,7 @@ class FileBackend(StorageBackend):
 
     def get(self, keys: Sequence[str], targets: Sequence[Buffers]) -> list[bool]:
         assert len(keys) == len(targets), (len(keys), len(targets))
-        sizes = self._map(self._get_one, list(zip(keys, targets)), write=False)
+        sizes = self._map(self._get_one, list(zip(keys, targets)))
         hits = [size is not None for size in sizes]
         self._counts.add(gets=len(keys), get_hits=sum(hits), get_bytes=sum(s for s in sizes if s))
         return hits
@@ -152,11 +149,11 @@ class FileBackend(StorageBackend):
         items = list(zip(keys, sources))
         if self._capacity.limited:
             # Write in parallel, then publish the batch under one shared lock.
-            written = self._map(self._write_one, items, write=True)
+            written = self._map(self._write_one, items)
             done = self._commit([p for p in written if p])
             sizes = [p.size if p and done[p.tmp] else None for p in written]
         else:
-            sizes = self._map(self._put_one, items, write=True)
+            sizes = self._map(self._put_one, items)
         stored = [size is not None for size in sizes]
         self._counts.add(puts=len(keys), put_ok=sum(stored), put_bytes=sum(s for s in sizes if s))
         return stored
@@ -180,8 +177,8 @@ class FileBackend(StorageBackend):
             if self._closed:
                 return
             self._closed = True
-            pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
+            pool, self._pool = self._pool, None
+        if pool is not None:
             pool.shutdown(wait=True, timeout_s=_CLOSE_JOIN_S)
         self._capacity.close()
         self._store.close()
@@ -305,11 +302,9 @@ class FileBackend(StorageBackend):
 
     # --- batches ---
 
-    def _map(self, fn: Callable[..., Any], items: list[tuple[str, Buffers]],
-             write: bool) -> list[Any]:
+    def _map(self, fn: Callable[..., Any], items: list[tuple[str, Buffers]]) -> list[Any]:
         """``fn(*item)`` for every item, in order; the batch split into
-        contiguous slices run in parallel (on the write pool for a put);
-        an exception is a None."""
+        contiguous slices run in parallel; an exception is a None."""
         def one(item: tuple[str, Buffers]) -> Any:
             try:
                 return fn(*item)
@@ -320,23 +315,18 @@ class FileBackend(StorageBackend):
         if self._closed:
             return [None] * len(items)
         try:
-            return map_slices(one, items, self.config.num_io_threads,
-                              functools.partial(self._executor, write))
+            return map_slices(one, items, self.config.num_io_threads, self._executor)
         except RuntimeError:  # closed meanwhile
             return [None] * len(items)
 
-    def _executor(self, write: bool) -> DaemonPool:
+    def _executor(self) -> DaemonPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("file backend is closed")
-            pool = self._pools.get(write)
-            if pool is None:
+            if self._pool is None:
                 # map_slices runs one slice on the calling thread.
-                pool = self._pools[write] = DaemonPool(
-                    max(self.config.num_io_threads - 1, 1),
-                    "hicache-filew" if write else "hicache-file",
-                    nice=io_threads.BACKUP_NICE if write else 0)
-            return pool
+                self._pool = DaemonPool(max(self.config.num_io_threads - 1, 1), "hicache-file")
+            return self._pool
 
     def _note_error(self, where: str) -> None:
         errors = self._counts.bump("errors")
