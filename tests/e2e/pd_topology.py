@@ -10,8 +10,9 @@ Topology, on loopback (``run_pd_topology``, once per test module):
     router      ``vllm-router --vllm-pd-disaggregation`` in front of the two
 
 The two ``--kv-transfer-config``s are docs/pd.md's (its prefill and decode
-commands, as documented), with the L3 directory replaced and one ``model_version`` on
-both sides; NixlConnector moves KV over UCX with ``kv_buffer_device="cpu"``.
+commands, as documented), with the L3 directory replaced, one ``model_version`` on
+both sides and a longer L3 breaker window; NixlConnector moves KV over UCX with
+``kv_buffer_device="cpu"``.
 Greedy, token-id prompts. A two-turn conversation through the router
 (``Workload``; the default shape here):
 
@@ -141,6 +142,13 @@ def _for_test(config: dict, l3_dir: Path) -> str:
     extra = hicache_entry(config)["kv_connector_extra_config"]
     extra["hicache_storage_backend_extra_config"]["path"] = str(l3_dir)
     extra["model_version"] = MODEL_VERSION
+    # The checks below wait for decode's backups to reach L3. On a busy CI
+    # machine one health check of the file store took 12 s (four servers
+    # starting on two cores): the breaker tripped for an instant, a backup
+    # made in it was skipped and the wait never ended. A window longer than
+    # any such stall keeps the breaker on, as documented, without making the
+    # test about it (tests/e2e/test_engine_l3_breaker.py covers the breaker).
+    extra["l3_breaker_window_s"] = BACKUP_WAIT_S
     # No prefetch_threshold: the default ("auto", the cost model) must fetch
     # the few decode-only blocks of a short answer on its own.
     return json.dumps(config)
