@@ -64,7 +64,7 @@ def publish(model_dir, root: str, prompt=PROMPT, **l2):
 
 def watch_loads(b):
     """(job, blocks loaded, each block's bytes right) per direct load of B."""
-    queue = b.worker.worker._node_loads
+    queue = b.worker.worker._node.queue
     assert queue is not None and queue.loader is not None
     loader, seen = queue.loader, []
     inner = loader.finish
@@ -123,7 +123,7 @@ def test_another_instance_loads_the_prefix_from_the_node_tier_directly(tiny_mode
     assert half.stats.hit_tokens_l2 == 0
     # ...all of them from the node tier (vllm:hicache_node_tier_hit_tokens_total).
     assert half.stats.hit_tokens_node == PROMPT_BLOCKS * BLOCK
-    loader = b.worker.worker._node_loads.loader
+    loader = b.worker.worker._node.queue.loader
     assert loader.counts["pages"] == PROMPT_BLOCKS
     # L2 took no part: no prefetch staged the pages, and the loaded blocks
     # were not stored to it afterwards (the machine holds them in the tier).
@@ -195,7 +195,7 @@ def test_after_l3_is_detached_and_attached_again_hits_load_from_the_new_membersh
 
     publish(tiny_model_dir, shm_root)
     b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
-    old_loader = b.worker.worker._node_loads.loader
+    old_loader = b.worker.worker._node.queue.loader
     control = b.sched_half.storage_control
     for kind, spec in (("detach", parse_detach({"pending_backups": "drop"})),
                        ("attach", mem_spec("after-detach", prefetch_policy="best_effort"))):
@@ -207,7 +207,7 @@ def test_after_l3_is_detached_and_attached_again_hits_load_from_the_new_membersh
     assert seen == [(PROMPT_BLOCKS, PROMPT_BLOCKS, [True] * PROMPT_BLOCKS)]
     assert b.first_computed["b"] == PROMPT_BLOCKS * BLOCK
     assert b.sched_half.stats.load_error_blocks == 0
-    loader = b.worker.worker._node_loads.loader
+    loader = b.worker.worker._node.queue.loader
     assert loader is not old_loader
     assert loader.tier is b.worker.worker._rank_l3.io.pages.backend.tier
     assert loader.counts["pages"] == PROMPT_BLOCKS and old_loader.counts["misses"] == 0
@@ -226,7 +226,7 @@ def test_a_request_whose_node_loads_keep_failing_is_computed_not_offered_the_hit
 
     publish(tiny_model_dir, shm_root)
     b = build(tiny_model_dir, shm_root, hicache_load_mode=mode)
-    b.worker.worker._node_loads.replace_loader(None)
+    b.worker.worker._node.queue.replace_loader(None)
     b.add("b", PROMPT, max_tokens=1)
     admitted = []
     inner = b.sched_half.node_hits.admit
@@ -286,7 +286,7 @@ def test_a_slot_whose_seal_is_torn_is_recomputed_not_used(tiny_model_dir, shm_ro
     b.add("b", PROMPT, max_tokens=1)
     first, later, errors = run_recording_recompute(b)
     assert seen == [(PROMPT_BLOCKS, 2, [True, True])]
-    assert b.worker.worker._node_loads.loader.counts["refused"] == 1
+    assert b.worker.worker._node.queue.loader.counts["refused"] == 1
     # vLLM kept the two good blocks and recomputed from the torn one on.
     assert_recomputed_from(b, mode, 2, errors, first, later)
 
@@ -294,14 +294,14 @@ def test_a_slot_whose_seal_is_torn_is_recomputed_not_used(tiny_model_dir, shm_ro
 def evict_before_pin(b, tier, key: bytes) -> None:
     """B's loads find ``key``'s page evicted from the tier: it leaves after
     the scheduler's lookup, just before the worker pins the load's pages."""
-    inner = b.worker.worker._node_loads.loader.begin
+    inner = b.worker.worker._node.queue.loader.begin
 
     def evict_then_begin(hashes, block_ids):
         page = tier.hold_pages([key])
         tier.drop_page(page[0], "evicted by the test")
         return inner(hashes, block_ids)
 
-    b.worker.worker._node_loads.loader.begin = evict_then_begin
+    b.worker.worker._node.queue.loader.begin = evict_then_begin
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -392,7 +392,7 @@ def test_a_small_private_l2_serves_a_working_set_larger_than_itself(tiny_model_d
     assert a.worker.worker.pool.num_pages == 6
     b = build(tiny_model_dir, shm_root, **small)
     assert b.worker.worker.pool.num_pages == 6
-    loader = b.worker.worker._node_loads.loader
+    loader = b.worker.worker._node.queue.loader
     for i, prompt in enumerate(prompts):
         b.add(f"b{i}", prompt, max_tokens=1)
         b.run()

@@ -60,7 +60,7 @@ def build(model_dir, root: str, load_mode: str, write_policy: str):
 def watch_node_loads(h, checks: list[bool]) -> None:
     """Check every block a direct node-tier load of ``h`` fills against the
     bytes computed for the request whose block table holds it."""
-    queue = h.worker.worker._node_loads
+    queue = h.worker.worker._node.queue
     loader = queue.loader if queue is not None else None
     if loader is None or getattr(loader, "watched", False):
         return

@@ -68,7 +68,7 @@ def node_hits() -> float:
 
 def direct_loader():
     """This process's worker's loader of node-tier pages straight into L1."""
-    queue = worker_half()._node_loads
+    queue = worker_half()._node.queue
     assert queue is not None and queue.loader is not None
     return queue.loader
 

@@ -10,7 +10,12 @@ import time
 import torch
 
 from vllm_hicache.common.jobs import NodeLoadJob
-from vllm_hicache.l3.node_load_queue import L1Target, NodeLoadQueue, node_load_queue
+from vllm_hicache.l3.node_load_queue import (
+    L1Target,
+    NodeLoadQueue,
+    WorkerNodeLoads,
+    node_load_queue,
+)
 from vllm_hicache.l3.node_loads import OpenLoad
 
 JOB = NodeLoadJob("r", (b"a" * 32, b"b" * 32, b"c" * 32), (4, 5, 6))
@@ -246,3 +251,40 @@ def test_without_layer_copies_in_step_loads_copy_every_layer_up_front():
     assert loader.counts["pages"] == 2
     assert queue.finish_in_step() == set()
     queue.shutdown()
+
+
+# --- the worker's driver: which queue, which loader, what is unreported ---
+
+def test_the_driver_fails_jobs_it_has_no_tier_for_and_reports_each_block_once():
+    node = WorkerNodeLoads(hybrid=False)
+    node.follow(None)  # before bind: nothing to follow yet
+    assert node.queue is None
+    node.bind(L1Target([torch.zeros(1)], [], "direct"), pages=None)
+    assert node.queue is None  # no L3: no node tier
+    assert node.start([], torch.device("cpu")) == set()
+    assert node.queue is None  # no job, no queue
+    assert node.start([JOB, STEP_JOB], torch.device("cpu")) == {7, 8, 9}  # in step: now
+    assert node.queue is not None and node.queue.wait_idle(10)
+    deadline = time.monotonic() + 10
+    done: set[str] = set()
+    while not done and time.monotonic() < deadline:
+        done = node.poll()
+    assert done == {"r"}
+    assert node.take_errors() == {4, 5, 6, 7, 8, 9}
+    assert node.take_errors() == set()
+    node.shutdown()
+    assert node.queue is None
+
+
+def test_the_driver_keeps_its_queue_and_swaps_the_loader_when_the_client_changes():
+    node = WorkerNodeLoads(hybrid=False)
+    node.bind(L1Target([torch.zeros(1)], [], "direct"), pages=None)
+    node.queue = queue = NodeLoadQueue(CountingLoader(loaded=3), torch.device("cpu"))
+    old = queue.loader
+    node.follow(None)  # detached: jobs fail from now on
+    assert node.queue is queue and queue.loader is None
+    assert node.start([STEP_JOB], torch.device("cpu")) == {7, 8, 9}
+    assert node.finish_in_step() == set()
+    assert node.take_errors() == {7, 8, 9}
+    node.shutdown()
+    assert old.closed

@@ -53,12 +53,7 @@ from vllm_hicache.host import HostKVPool
 from vllm_hicache.kernels import describe_kv_tensor
 from vllm_hicache.kernels.io_backends import IOBackend
 from vllm_hicache.l3.attach_worker import RankL3
-from vllm_hicache.l3.node_load_queue import (
-    L1Target,
-    NodeLoadQueue,
-    direct_loader,
-    node_load_queue,
-)
+from vllm_hicache.l3.node_load_queue import L1Target, WorkerNodeLoads
 from vllm_hicache.l3.same_step import StreamedLoads, split_loads
 from vllm_hicache.l3.setup import build_storage_io, worker_id
 from vllm_hicache.l3.worker_io import StorageIO
@@ -101,12 +96,8 @@ class HiCacheWorker:
         self._hybrid = geom.num_groups > 1
         self._async_blocks: dict[str, frozenset[int]] = {}
         self._failed_recving: set[str] = set()
-        # Node-tier hits loaded into L1 directly (l3/node_load_queue.py);
-        # None without a node tier. Blocks they did not load, not yet reported.
-        self._node_loads: NodeLoadQueue | None = None
-        self._node_load_errors: set[int] = set()
-        # What a node-tier loader copies into (register_kv_caches sets it).
-        self._node_target: L1Target | None = None
+        # Node-tier hits loaded into L1 directly (l3/node_load_queue.py).
+        self._node = WorkerNodeLoads(self._hybrid)
         # This step's same-step loads, copied as their reads deliver each
         # layer (CPU; l3/same_step.py); None when the step has none.
         self._streamed: StreamedLoads | None = None
@@ -165,13 +156,11 @@ class HiCacheWorker:
             group_layers=[g.layers for g in self.geom.groups],
             num_l1_blocks=self.geom.num_l1_blocks)
         self._rank_l3.worker_id = worker_id(self._vllm_config)
-        # For the L3 client's node-tier loader now, and those of clients an
-        # admin attach brings later.
-        self._node_target = L1Target(tensors, layouts, cfg.hicache_io_backend)
         if cfg.storage is not None:
             self._rank_l3.io = build_storage_io(cfg, self.geom, self._vllm_config, pool)
-            self._node_loads = node_load_queue(self._rank_l3.io.pages, self._node_target,
-                                               self._hybrid)
+        # For the L3 client's node-tier loader now, and those of clients an
+        # admin attach brings later.
+        self._node.bind(L1Target(tensors, layouts, cfg.hicache_io_backend), self._l3_pages())
         # The engine's one INFO line is the scheduler half's (connector.start_line).
         logger.debug(
             "HiCache worker: %d host pages (%.2f GB), layout=%s, io=%s, device=%s",
@@ -280,20 +269,12 @@ class HiCacheWorker:
         self._rank_l3.run(cmd, self._build_io)
         self.cfg = dataclasses.replace(self.cfg, storage=self._rank_l3.storage)
         if self._rank_l3.io is not serving:  # committed or detached
-            self._follow_node_tier()
+            self._node.follow(self._l3_pages())
 
-    def _follow_node_tier(self) -> None:
-        """Node-tier loads go to the serving L3 client's tier, the one the
-        scheduler half's hits now come from: none after a detach (its jobs
-        fail, recomputed), the new client's after an attach or replace."""
-        if self._node_target is None:
-            return  # no KV caches yet: register_kv_caches builds the queue
+    def _l3_pages(self):
+        """The serving L3 client's page store (None: no L3)."""
         io = self._rank_l3.io
-        pages = io.pages if io is not None else None
-        if self._node_loads is None:
-            self._node_loads = node_load_queue(pages, self._node_target, self._hybrid)
-        else:
-            self._node_loads.replace_loader(direct_loader(pages, self._node_target, self._hybrid))
+        return io.pages if io is not None else None
 
     def _build_io(self, storage: StorageConfig,
                   canary_pages: tuple[int, int] | None) -> StorageIO:
@@ -310,20 +291,15 @@ class HiCacheWorker:
             for job in meta.async_loads:
                 self._async_blocks[job.req_id] = frozenset(job.copy.block_ids)
         self._path().start_loads(meta.async_loads)
-        if meta.node_loads:
-            if self._node_loads is None:  # no node tier here: recomputed
-                self._node_loads = NodeLoadQueue(None, self.transfer_tensors[0].device)
-            # In-step ones before the forward reads their blocks (vLLM calls
-            # this hook before it when a step has synchronous loads).
-            self._node_loads_short(
-                self._node_loads.start_in_step([job for job in meta.node_loads if job.in_step]))
-            self._node_loads.submit([job for job in meta.node_loads if not job.in_step])
+        # In-step loads before the forward reads their blocks (vLLM calls
+        # this hook before it when a step has synchronous loads).
+        self._drop_stores_over(
+            self._node.start(meta.node_loads, self.transfer_tensors[0].device))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
         if layer is not None:
-            if self._node_loads is not None:
-                self._node_loads.load_layer(layer)
+            self._node.load_layer(layer)
             if self._streamed is not None:
                 self._gate_layer(self._streamed, layer)
             self._path().wait_layer(layer)
@@ -369,14 +345,13 @@ class HiCacheWorker:
         """The step's in-step node-tier loads that came short become load
         errors, and the step's stores are dropped (computed over missing
         KV). Runs where ``_finish_streamed`` does, for the same reason."""
-        if self._node_loads is not None:
-            self._node_loads_short(self._node_loads.finish_in_step())
+        self._drop_stores_over(self._node.finish_in_step())
 
-    def _node_loads_short(self, blocks: set[int]) -> None:
-        """In-step node-tier loads left ``blocks`` without their page: load
-        errors, and the step's stores (computed over them) are dropped."""
+    def _drop_stores_over(self, blocks: set[int]) -> None:
+        """In-step node-tier loads left ``blocks`` without their page (load
+        errors, kept by ``self._node``): the step's stores, computed over
+        them, are dropped."""
         if blocks:
-            self._node_load_errors |= blocks
             self._path().fail_blocks(sorted(blocks))
 
     def _without_garbage(self, job: BackupJob) -> BackupJob:
@@ -407,10 +382,7 @@ class HiCacheWorker:
         if self.data is None:
             return None, None
         done = self.data.poll()
-        if self._node_loads is not None:
-            node_done, node_failed = self._node_loads.poll()
-            done |= node_done
-            self._node_load_errors |= node_failed
+        done |= self._node.poll()
         if self._hybrid:
             self._fail_requests_of_load_errors(done)
         return None, (done or None)
@@ -492,8 +464,7 @@ class HiCacheWorker:
         for k, v in self._rank_l3.take_retired_counts().items():  # a replaced backend's
             counts[k] = counts.get(k, 0) + v
         counts.update(self._node_counts.take_gained().samples())  # also gained in a report
-        if self._node_loads is not None:
-            counts.update(self._node_loads.take_counts())
+        counts.update(self._node.take_counts())
         return counts, gauges
 
     def take_load_errors(self) -> set[int]:
@@ -501,13 +472,10 @@ class HiCacheWorker:
             return set()  # hybrid: reported per request (take_failed_recving)
         self._finish_streamed()
         self._finish_node_loads()
-        node_failed, self._node_load_errors = self._node_load_errors, set()
-        return self.data.take_load_errors() | node_failed
+        return self.data.take_load_errors() | self._node.take_errors()
 
     def shutdown(self) -> None:
-        if self._node_loads is not None:  # its loader reads the tier L3 closes
-            self._node_loads.shutdown()
-            self._node_loads = None
+        self._node.shutdown()  # its loader reads the tier L3 closes
         # L3 first: queued backups still read the pool.
         self._rank_l3.shutdown()
         if self.data is not None:

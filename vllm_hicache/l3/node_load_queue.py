@@ -283,3 +283,86 @@ def node_load_queue(pages: object, l1: L1Target, hybrid: bool) -> NodeLoadQueue 
         return None
     return NodeLoadQueue(direct_loader(pages, l1, hybrid), l1.kv_tensors[0].device,
                          len(l1.kv_tensors))
+
+
+class WorkerNodeLoads:
+    """A worker's node-tier loads across steps and admin switches: which
+    queue runs them (none until a job or a node tier needs one), which tier
+    its loader reads (``follow``: the serving L3 client's), and the blocks
+    that did not receive their page, not yet reported as load errors.
+
+    The worker calls ``bind`` once its KV caches are registered, ``follow``
+    when its L3 client changed, ``start`` / ``load_layer`` /
+    ``finish_in_step`` around each forward, ``poll`` and ``take_errors``
+    when vLLM collects completions, ``shutdown`` before its L3 client
+    closes. The sets returned by ``start`` and ``finish_in_step`` are this
+    step's short in-step blocks: the worker drops the step's stores over
+    them (module doc)."""
+
+    def __init__(self, hybrid: bool) -> None:
+        self.queue: NodeLoadQueue | None = None
+        self._hybrid = hybrid
+        self._target: L1Target | None = None
+        self._errors: set[int] = set()
+
+    def bind(self, target: L1Target, pages: object) -> None:
+        """The KV caches are registered: loaders copy into ``target``, from
+        the tier of the L3 client ``pages`` (None: no L3)."""
+        self._target = target
+        self.queue = node_load_queue(pages, target, self._hybrid)
+
+    def follow(self, pages: object) -> None:
+        """The worker's serving L3 client is now ``pages`` (None: detached):
+        the tier the scheduler half's hits come from. Jobs after a detach
+        fail (recomputed)."""
+        if self._target is None:
+            return  # no KV caches yet: bind builds the queue
+        if self.queue is None:
+            self.queue = node_load_queue(pages, self._target, self._hybrid)
+        else:
+            self.queue.replace_loader(direct_loader(pages, self._target, self._hybrid))
+
+    def start(self, jobs: Sequence[NodeLoadJob], device: torch.device) -> set[int]:
+        """Before the step's forward: in-step jobs found and checked (on
+        CUDA, copied), async ones queued. The in-step blocks short already."""
+        if not jobs:
+            return set()
+        if self.queue is None:  # no node tier here: every job fails, recomputed
+            self.queue = NodeLoadQueue(None, device)
+        # In-step ones first: the forward waits for them, not for the queue.
+        short = self._short(self.queue.start_in_step([job for job in jobs if job.in_step]))
+        self.queue.submit([job for job in jobs if not job.in_step])
+        return short
+
+    def load_layer(self, layer: int) -> None:
+        if self.queue is not None:
+            self.queue.load_layer(layer)
+
+    def finish_in_step(self) -> set[int]:
+        """After the forward, before its stores: the in-step blocks short."""
+        return self._short(self.queue.finish_in_step()) if self.queue is not None else set()
+
+    def poll(self) -> set[str]:
+        """Requests whose async job ended (their short blocks kept for
+        ``take_errors``)."""
+        if self.queue is None:
+            return set()
+        done, failed = self.queue.poll()
+        self._errors |= failed
+        return done
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def take_counts(self) -> dict[str, float]:
+        return self.queue.take_counts() if self.queue is not None else {}
+
+    def shutdown(self) -> None:
+        if self.queue is not None:
+            self.queue.shutdown()
+            self.queue = None
+
+    def _short(self, blocks: set[int]) -> set[int]:
+        self._errors |= blocks
+        return blocks
