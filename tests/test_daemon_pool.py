@@ -1,8 +1,10 @@
 """DaemonPool: futures like an executor's, and a stuck call never keeps the
-process from exiting (the reason it exists)."""
+process from exiting (the reason it exists); background pools run below
+the process's priority and still start every job within their patience."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -11,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from vllm_hicache import io_threads
 from vllm_hicache.daemon_pool import DaemonPool
+from vllm_hicache.io_threads import Background
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,3 +60,112 @@ def test_a_stuck_call_does_not_hold_up_exit():
     assert out.returncode == 0 and "exiting" in out.stdout, out.stderr
     # A ThreadPoolExecutor would block here until the test's 60 s timeout.
     assert time.monotonic() - start_s < 30
+
+
+# --- background pools: below the process's priority, never starved ----------
+
+BG = Background(nice=5, patience_s=0.3)
+
+
+def thread_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def who() -> tuple[str, int, Background | None]:
+    return threading.current_thread().name, thread_nice(), io_threads.current_background()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_background_threads_run_below_the_process_and_know_it():
+    base = thread_nice()
+    pool = DaemonPool(2, "test-bg", BG)
+    try:
+        name, nice, background = pool.submit(who).result(timeout=10)
+    finally:
+        pool.shutdown()
+    assert name.startswith("test-bg-") and not name.endswith("rescue")
+    assert nice == min(19, base + BG.nice) and background == BG
+    assert thread_nice() == base and io_threads.current_background() is None  # caller untouched
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_a_pool_made_on_a_background_thread_is_lowered_once_not_twice():
+    """A thread inherits its creator's nice value: a background pool made
+    on a background thread still runs BG.nice below the process."""
+    base = thread_nice()
+    outer = DaemonPool(1, "test-bg", BG)
+
+    def make_inner_and_ask() -> int:
+        inner = DaemonPool(1, "test-in", BG)
+        try:
+            return inner.submit(thread_nice).result(timeout=10)
+        finally:
+            inner.shutdown()
+
+    try:
+        assert outer.submit(make_inner_and_ask).result(timeout=10) == min(19, base + BG.nice)
+    finally:
+        outer.shutdown()
+
+
+def test_a_job_the_background_threads_do_not_take_is_rescued_after_its_patience():
+    """Stand-in for a busy core: every background thread is held, so only
+    the rescuer (at the process's priority) can start the next job, and it
+    waits out the patience first."""
+    base = thread_nice()
+    pool = DaemonPool(1, "test-bg", BG)
+    gate, held = threading.Event(), threading.Event()
+    try:
+        blocker = pool.submit(lambda: (held.set(), gate.wait(10)))
+        assert held.wait(10)
+        submitted = time.monotonic()
+        name, nice, background = pool.submit(who).result(timeout=10)
+        waited_s = time.monotonic() - submitted
+    finally:
+        gate.set()
+        pool.shutdown()
+    assert blocker.result(timeout=10)[1] is True
+    assert name == "test-bg-rescue" and nice == base and background is None
+    assert waited_s >= BG.patience_s - 0.01  # not before its patience
+
+
+def test_hurry_ends_the_patience_and_jobs_start_in_order():
+    pool = DaemonPool(1, "test-bg", Background(nice=5, patience_s=60.0))
+    gate, held = threading.Event(), threading.Event()
+    order: list[int] = []
+    try:
+        pool.submit(lambda: (held.set(), gate.wait(10)))
+        assert held.wait(10)
+        futures = [pool.submit(order.append, i) for i in range(3)]
+        time.sleep(0.2)
+        assert order == []  # patient: the rescuer has not taken them
+        pool.hurry()
+        for future in futures:
+            future.result(timeout=10)
+    finally:
+        gate.set()
+        pool.shutdown()
+    assert order == [0, 1, 2]
+
+
+def test_a_background_pool_drains_what_is_queued_at_shutdown_unless_cancelled():
+    pool = DaemonPool(1, "test-bg", Background(nice=5, patience_s=60.0))
+    gate, held = threading.Event(), threading.Event()
+    pool.submit(lambda: (held.set(), gate.wait(10)))
+    assert held.wait(10)
+    queued = pool.submit(lambda: 7)
+    pool.shutdown(wait=False)  # no patience once shut down: the rescuer runs it
+    assert queued.result(timeout=10) == 7
+    gate.set()
+    other = DaemonPool(1, "test-bg", BG)
+    held.clear()
+    other.submit(lambda: (held.set(), gate.wait(10)))
+    assert held.wait(10)
+    dropped = other.submit(lambda: 8)
+    other.shutdown(wait=True, cancel_futures=True, timeout_s=10)
+    assert dropped.cancelled()
+
+
+def test_background_settings_are_checked():
+    with pytest.raises(ValueError, match="nice >= 1"):
+        Background(nice=0, patience_s=1.0)

@@ -1,4 +1,5 @@
-"""A thread pool whose threads never hold up the process's exit.
+"""A thread pool whose threads never hold up the process's exit, and which
+can run work nobody waits for below the engine's CPU priority.
 
 ``concurrent.futures.ThreadPoolExecutor`` joins its threads when the
 interpreter exits, so one call stuck in a storage client (a dead NFS mount,
@@ -6,32 +7,57 @@ a store that stopped answering) keeps ``vllm serve`` from ever exiting, even
 after our own shutdown gave up on it. L3 I/O runs here instead: its threads
 are daemons, and shutdown waits only as long as its caller says. Same
 ``submit``/``shutdown`` surface as the executor, with real ``Future``s.
+
+Background pools (``io_threads.Background``: L3 backups) run their jobs on threads
+``nice`` steps below the process's priority, so that on a busy core the
+engine's own threads go first, plus one *rescuer* thread at the process's
+priority that takes any job still queued ``patience_s`` after it was
+submitted: a busy core delays a backup's start by that much at most, never
+indefinitely (a backup that waits is an L3 miss once L2 evicts its pages).
+``hurry`` ends the patience (a shutdown draining its backups). Jobs start in
+submission order whichever thread takes them.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_hicache import io_threads
+from vllm_hicache.io_threads import Background
 
-_STOP = object()
+
+class _Job(NamedTuple):
+    future: Future
+    fn: Callable[..., Any]
+    args: tuple
+    submitted_s: float
 
 
 class DaemonPool:
-    def __init__(self, num_threads: int, name: str) -> None:
+    def __init__(self, num_threads: int, name: str,
+                 background: Background | None = None) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._background = background
+        self._jobs: deque[_Job] = deque()
         self._closed = False
+        self._hurry = False
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            threading.Thread(target=self._run, args=(background,), name=f"{name}-{i}",
+                             daemon=True)
             for i in range(num_threads)
         ]
+        if background is not None:
+            self._threads.append(threading.Thread(
+                target=self._run, args=(None, background.patience_s), name=f"{name}-rescue",
+                daemon=True))
         for thread in self._threads:
             thread.start()
 
@@ -40,44 +66,65 @@ class DaemonPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("DaemonPool.submit after shutdown")
-            self._queue.put((future, fn, args))
+            self._jobs.append(_Job(future, fn, args, time.monotonic()))
+            # A background pool's rescuer waits on a deadline: wake it too.
+            if self._background is not None:
+                self._changed.notify_all()
+            else:
+                self._changed.notify()
         return future
 
-    def _run(self) -> None:
-        io_threads.enter_io_thread()
+    def hurry(self) -> None:
+        """From now on the rescuer takes queued jobs at once."""
+        with self._lock:
+            self._hurry = True
+            self._changed.notify_all()
+
+    def _run(self, background: Background | None, patience_s: float | None = None) -> None:
+        io_threads.enter_io_thread(background)
         while True:
-            item = self._queue.get()
-            if item is _STOP:
+            job = self._take(patience_s)
+            if job is None:
                 return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
+            if not job.future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn(*args))
+                job.future.set_result(job.fn(*job.args))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
+                job.future.set_exception(exc)
+
+    def _take(self, patience_s: float | None) -> _Job | None:
+        """The next job, in order (None: closed and nothing left). With
+        ``patience_s`` (the rescuer): only once it has waited that long."""
+        with self._lock:
+            while True:
+                if self._jobs:
+                    if patience_s is None or self._hurry:
+                        return self._jobs.popleft()
+                    wait_s = self._jobs[0].submitted_s + patience_s - time.monotonic()
+                    if wait_s <= 0:
+                        return self._jobs.popleft()
+                    self._changed.wait(wait_s)
+                elif self._closed:
+                    return None
+                else:
+                    self._changed.wait()
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False,
                  timeout_s: float | None = None) -> None:
-        """Stop taking work; optionally cancel what has not started; join
-        the threads for at most ``timeout_s`` (all of them: None)."""
+        """Stop taking work (what is queued still runs, unless cancelled);
+        join the threads for at most ``timeout_s`` (all of them: None)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._hurry = True
             if cancel_futures:
-                self._cancel_queued()
-            for _ in self._threads:
-                self._queue.put(_STOP)
+                for job in self._jobs:
+                    job.future.cancel()
+                self._jobs.clear()
+            self._changed.notify_all()
         if wait:
             for thread in self._threads:
                 thread.join(timeout_s)
 
-    def _cancel_queued(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not _STOP:
-                item[0].cancel()

@@ -16,6 +16,17 @@ such cores (a GPU platform, binding turned off, every allowed core
 computing) nothing moves. Threads of the scheduler half are never pinned:
 EngineCore is not bound.
 
+Work nobody waits for (L3 backups) may run in the *background*
+(``Background``, daemon_pool.py): on threads some nice steps below the
+process's CPU priority. On a CPU server the core vLLM leaves for the
+connector is also the one its engine core, API server and tokenizers run
+on, and a backup that holds it when a step's output arrives delays the next
+step. A background thread runs a store's batch itself
+(``storage/batching.map_slices``, ``current_background``): no helper thread
+at the engine's priority does its work, and no thread is ever started from
+it, since a new thread inherits its creator's nice value and an unprivileged
+process cannot give that back.
+
 ``enter_io_thread`` also gives the OS thread its Python name (``hicache-l3r-0``,
 cut to the kernel's 15 characters), as ``named_thread`` does for our other
 threads, so ``top -H``, ``ps -L`` and per-thread CPU accounting tell our
@@ -27,12 +38,17 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 _io_cpus: frozenset[int] = frozenset()
+_MAX_NICE = 19
+# The calling pool thread's Background, if it runs in the background.
+_local = threading.local()
 _PR_SET_NAME = 15  # prctl(2): name the calling thread
 _THREAD_NAME_BYTES = 15  # the kernel's limit, without the terminating NUL
 
@@ -46,10 +62,49 @@ def configure(io_cpus: frozenset[int]) -> None:
                     sorted(_io_cpus))
 
 
-def enter_io_thread() -> None:
-    """Name the calling thread for the OS and move it to the I/O cores."""
+@dataclass(frozen=True)
+class Background:
+    """Threads ``nice`` steps below the process's CPU priority, and a job
+    queued ``patience_s`` is taken at the process's priority after all
+    (daemon_pool.py)."""
+
+    nice: int
+    patience_s: float
+
+    def __post_init__(self) -> None:
+        if self.nice < 1 or self.patience_s < 0:
+            raise ValueError(f"Background: nice >= 1, patience_s >= 0 (got {self})")
+
+
+def enter_io_thread(background: Background | None = None) -> None:
+    """Name the calling thread for the OS, move it to the I/O cores and,
+    for ``background`` work, below the process's priority."""
     _name_native_thread(threading.current_thread().name)
     _pin_current_thread()
+    _local.background = background
+    if background is not None:
+        _lower_priority(background.nice)
+
+
+def current_background() -> Background | None:
+    """The calling thread's ``Background`` (None: it runs at the process's priority)."""
+    return getattr(_local, "background", None)
+
+
+def _lower_priority(nice: int) -> None:
+    """Run the calling thread ``nice`` steps below the process (at most at
+    the lowest priority). Linux only, where each thread has a nice value of its own
+    (elsewhere setpriority would name the whole process); a failure leaves it."""
+    if not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        # From the process's (its main thread's) value, not this thread's:
+        # a thread inherits its creator's, which may be lowered already.
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        os.setpriority(os.PRIO_PROCESS, tid, min(_MAX_NICE, base + nice))
+    except OSError as exc:
+        logger.debug("HiCache: could not lower thread %d's priority: %s", tid, exc)
 
 
 def named_thread(target: Callable[..., object], name: str, *, args: tuple = (),

@@ -5,6 +5,7 @@ backend cannot hang shutdown."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -15,6 +16,7 @@ import torch
 from tests.connector.mem_backend import STORES, MemBackend
 from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
 from vllm_hicache.host import HostKVPool
+from vllm_hicache.io_threads import Background
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.l3 import worker_io as l3_worker
 from vllm_hicache.l3.worker_io import StorageIO
@@ -166,6 +168,31 @@ def test_a_read_never_waits_behind_writes(store):
         gate.set()
         io.shutdown()
     assert io.poll()[1] == {2, 3, 4, 5}
+
+
+def test_backups_run_in_the_background_and_reads_at_the_engine_s_priority(store, monkeypatch):
+    """Nobody waits for a backup: it runs on l3/worker_io.BACKUPS threads,
+    below the process (on a CPU server they share a core with the engine
+    core); a prefetch keeps the process's priority."""
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    # Patient enough that the rescuer (at the process's priority) never runs it.
+    monkeypatch.setattr(l3_worker, "BACKUPS", Background(nice=10, patience_s=60.0))
+    seen: dict[str, int] = {}
+    backend, put, get = store.backend, store.backend.put, store.backend.get
+    backend.put = lambda keys, sources: (seen.setdefault("put", nice()), put(keys, sources))[1]
+    backend.get = lambda keys, targets: (seen.setdefault("get", nice()), get(keys, targets))[1]
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    try:
+        io.submit_backup(backup(3, 3))
+        _wait_for(lambda: 3 in io.poll()[1])
+        io.submit_prefetch(PrefetchJob(30, (bytes([3]) * 8,), (9,)))
+        assert io.wait_read(30, 1, GATE_TIMEOUT_S) == 1
+    finally:
+        io.shutdown()
+    base = nice()
+    assert seen == {"put": min(19, base + 10), "get": base}
 
 
 def test_running_prefetch_stops_at_next_batch(store, monkeypatch):

@@ -18,7 +18,9 @@ Reads and writes run on threads of their own (``num_threads`` each): a
 prefetch is what a request waits for, a backup is what nobody waits for, so a
 slow store's writes (every thread busy in a put) must never queue a read
 behind them. With one shared FIFO they did: under ``wait_complete`` a server
-then served at the store's write pace.
+then served at the store's write pace. For the same reason backups run in
+the background (``BACKUPS``): below the engine's CPU priority, each started
+within ``patience_s`` of its submission even on a busy core.
 
 Shutdown: a queued backup is the only way its pages reach L3 (writes are not
 retried), so shutdown lets queued and running backups finish, bounded by
@@ -51,12 +53,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress, PrefetchTiming
 from vllm_hicache.common.stats import WorkerCounters, key
 from vllm_hicache.daemon_pool import DaemonPool
+from vllm_hicache.io_threads import Background
 
 if TYPE_CHECKING:
     from vllm_hicache.host import HostKVPool
     from vllm_hicache.storage.base import StorageBackend
 
 logger = logging.getLogger(__name__)
+
+# Backups yield the core (io_threads.py, daemon_pool.py): nobody waits for
+# them, but the engine's next step does wait for the core they share. Ten
+# nice steps give the engine's threads about nine tenths of a contended core
+# (the kernel's weights 1024 : 110); one tenth of a second is the most a busy
+# core delays a backup's start, much less than L2 keeps a page.
+BACKUPS = Background(nice=10, patience_s=0.1)
 
 # Pages per backend call (SGLang's storage batch size).
 BATCH_PAGES = 128
@@ -114,7 +124,7 @@ class StorageIO:
         # process from exiting once shutdown has given up on it. Reads apart
         # from writes (module doc).
         self._read_pool = DaemonPool(num_threads, "hicache-l3r")
-        self._write_pool = DaemonPool(num_threads, "hicache-l3w")
+        self._write_pool = DaemonPool(num_threads, "hicache-l3w", BACKUPS)
         self._lock = threading.Lock()
         # Notified whenever a prefetch's progress changes (wait_read).
         self._read_changed = threading.Condition(self._lock)
@@ -387,6 +397,7 @@ class StorageIO:
         num_cancelled = sum(f.cancel() for f in self._open_jobs(self._prefetches))
         backups = self._open_jobs(self._backups)
         start_s = time.monotonic()
+        self._write_pool.hurry()  # no core to yield to a stopping engine
         drained, abandoned = wait(backups, timeout=self._drain_timeout_s)
         # Threads still stuck in the backend are left behind: waiting on them
         # is what the deadline exists to avoid.

@@ -5,7 +5,8 @@
   An item larger than the budget comes alone, so every item is in exactly
   one range and the caller decides what an oversized one means.
 - ``map_slices``: ``fn`` over the items on several threads, each thread one
-  contiguous slice (the calling thread runs the first), results in order.
+  contiguous slice (the calling thread runs the first), results in order;
+  all on the calling thread when it runs in the background (io_threads.py).
 - ``batched``: fixed-size lists of an iterable (deletes in admin ``clear``).
 """
 
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from itertools import islice
 from typing import Any, Protocol, TypeVar
+
+from vllm_hicache import io_threads
 
 T = TypeVar("T")
 
@@ -45,7 +48,10 @@ def map_slices(fn: Callable[[T], Any], items: Sequence[T], workers: int,
                executor: Callable[[], Submitter]) -> list[Any]:
     """``[fn(x) for x in items]``, split into ``workers`` contiguous slices run
     at once (``executor()`` is asked only when there are several). An
-    exception of ``fn`` propagates; ``executor()`` may raise to refuse."""
+    exception of ``fn`` propagates; ``executor()`` may raise to refuse. A
+    background thread (io_threads.py: a backup) runs every slice itself."""
+    if io_threads.current_background() is not None:
+        workers = 1
     workers = min(workers, len(items))
     if workers <= 1:
         return [fn(x) for x in items]

@@ -221,3 +221,32 @@ def test_hung_directory_fails_start_in_time(root, monkeypatch):
     with pytest.raises(ValueError, match=f"file backend.*{root}.*did not answer"):
         make(("file", {"path": str(root)}))
     assert time.monotonic() - start < 1.5
+
+
+def test_a_put_from_a_background_thread_runs_on_it_alone(build, monkeypatch):  # noqa: F811
+    """A backup's put runs in the background (l3/worker_io.BACKUPS): its
+    batch is not fanned out to helper threads at the engine's priority
+    (storage/batching.map_slices); a put from another thread still is."""
+    from vllm_hicache.daemon_pool import DaemonPool
+    from vllm_hicache.io_threads import Background
+
+    b = build(num_io_threads=3)
+    seen: list[str] = []
+    put_one = b._put_one
+
+    def watched(key, buffers):
+        seen.append(threading.current_thread().name)
+        return put_one(key, buffers)
+
+    monkeypatch.setattr(b, "_put_one", watched)
+    data = [[np.full(64, i, np.uint8)] for i in range(6)]
+    caller = DaemonPool(1, "test-bg", Background(nice=4, patience_s=60.0))
+    try:
+        put = caller.submit(b.put, [f"bg-{i}" for i in range(6)], data)
+        assert put.result(timeout=10) == [True] * 6
+    finally:
+        caller.shutdown()
+    assert seen == ["test-bg-0"] * 6
+    seen.clear()
+    assert b.put([f"fg-{i}" for i in range(6)], data) == [True] * 6
+    assert {name.rsplit("-", 1)[0] for name in seen} == {"MainThread", "hicache-file"}
