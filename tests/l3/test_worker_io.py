@@ -15,6 +15,7 @@ import torch
 
 from tests.connector.mem_backend import STORES, MemBackend
 from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress
+from vllm_hicache.common.stats import key
 from vllm_hicache.host import HostKVPool
 from vllm_hicache.io_threads import Background
 from vllm_hicache.keys import KeyNamespace
@@ -193,6 +194,33 @@ def test_backups_run_in_the_background_and_reads_at_the_engine_s_priority(store,
         io.shutdown()
     base = nice()
     assert seen == {"put": min(19, base + 10), "get": base}
+
+
+def test_a_backup_no_background_thread_starts_is_rescued_and_counted(store, monkeypatch):
+    """The background threads held (a busy core, in effect): the next
+    backup still starts, at the process's priority, once its patience is
+    over, and the rescue is counted (l3_backups_rescued)."""
+    monkeypatch.setattr(l3_worker, "BACKUPS", Background(nice=10, patience_s=0.2))
+    gate, held = threading.Event(), threading.Event()
+    put = store.backend.put
+
+    def first_put_blocks(keys, sources):
+        if not held.is_set():
+            held.set()
+            gate.wait(GATE_TIMEOUT_S)
+        return put(keys, sources)
+
+    store.backend.put = first_put_blocks
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    try:
+        io.submit_backup(backup(1, 2))  # holds the one background thread
+        assert held.wait(GATE_TIMEOUT_S)
+        io.submit_backup(backup(2, 3))
+        _wait_for(lambda: 2 in io.poll()[1])
+        assert io.counters.take().get(key("l3_backups_rescued")) == 1
+    finally:
+        gate.set()
+        io.shutdown()
 
 
 def test_running_prefetch_stops_at_next_batch(store, monkeypatch):

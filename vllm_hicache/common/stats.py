@@ -154,6 +154,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "Processes joined to the node tier (each instance's scheduler and workers)."),
     MetricSpec("backup_backlog_blocks", "gauge", (),
                "Deferred L2 -> L3 backups waiting in the backlog."),
+    MetricSpec("l3_backups_rescued", "counter", (),
+               "L2 -> L3 backup jobs started at the engine's CPU priority because no "
+               "background thread (below it) had started them 0.1 s after they were queued: "
+               "the core the worker's I/O runs on was that busy; summed over TP ranks."),
     MetricSpec("estimated_bandwidth_bytes_per_second", "gauge", ("tier",),
                "hicache_load_decision=auto: the bandwidth one rank is expected to load a hit "
                "at: L2 (L2 -> L1) or L3 (L3 -> L2); absent until measured."),

@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
+from vllm_hicache import io_threads
 from vllm_hicache.common.jobs import BackupJob, PrefetchJob, PrefetchProgress, PrefetchTiming
 from vllm_hicache.common.stats import WorkerCounters, key
 from vllm_hicache.daemon_pool import DaemonPool
@@ -323,6 +324,8 @@ class StorageIO:
             self._read_changed.notify_all()
 
     def _backup(self, job: BackupJob, ready) -> None:
+        if io_threads.current_background() is None:  # the rescuer's (or a draining shutdown's)
+            self.counters.add(key("l3_backups_rescued"))
         if ready is not None:
             ready.synchronize()
         failed: list[bytes] = []
