@@ -174,6 +174,7 @@ def cpu_table(workload: str, by_system: dict) -> str:
 
 def main() -> int:
     args = parse_args()
+    args.out = args.out.resolve()  # trees are imported from it with cwd="/"
     args.out.mkdir(parents=True, exist_ok=True)
     trees = {}
     for arg in args.trees:
