@@ -29,7 +29,9 @@ class FileBackendConfig(Options):
     # Threads one batch's reads/writes are spread over, in contiguous slices
     # (the calling thread runs one; 1 = the calling thread only). Cold reads
     # gain most (1.8-1.9x one thread on a 2-vCPU VM's disk); on fewer cores
-    # than threads, reads served by the page cache lose a little.
+    # than threads, reads served by the page cache lose a little. Backups run
+    # in the background and write their batches on their own thread
+    # (io_threads.py).
     num_io_threads: int = option(4, parse=integer(1, 256))
     # fsync each object and its directory before a put reports success
     # (durable across power loss; slower).
