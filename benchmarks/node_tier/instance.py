@@ -88,7 +88,7 @@ class Engine:
         worker = self._worker()
         io = worker._io
         backend = io.pages.backend.stats() if io is not None else {}
-        queue = worker._node_loads
+        queue = worker._node.queue
         direct = queue.loader.counts["pages"] if queue is not None and queue.loader else 0
         return {"hit_tokens": hits, "backend": backend,
                 "load_error_blocks": half.stats.load_error_blocks,
