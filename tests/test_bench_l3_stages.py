@@ -56,3 +56,36 @@ def test_the_session_table_has_a_row_per_system_with_l3_hits(monkeypatch):
     rows = [line for line in lines if line.startswith("| hicache")]
     assert rows == ["| hicache-l3 | 2 | 1 | 4.0 | 1 | " + " | ".join(["3.0"] * len(STAGES))
                     + f" | {3.0 * (len(STAGES) - 1):.1f} |"]
+
+
+def split_metrics(requests: int, ttft_s: float, queue_s: float, prefill_s: float) -> dict:
+    return {"vllm:request_queue_time_seconds_count": requests,
+            "vllm:time_to_first_token_seconds_sum": requests * ttft_s,
+            "vllm:request_queue_time_seconds_sum": requests * queue_s,
+            "vllm:request_prefill_time_seconds_sum": requests * prefill_s}
+
+
+def test_the_server_split_has_rounds_2on_where_the_run_kept_them(monkeypatch):
+    phases = {
+        "hicache-l2": {"metrics": split_metrics(4, 1.0, 0.5, 0.4),
+                       "metrics_rounds_2on": split_metrics(3, 0.06, 0.001, 0.05)},
+        "hicache-l3": {"metrics": split_metrics(4, 1.1, 0.5, 0.5)},
+        "vllm": {"metrics": {}},
+    }
+    monkeypatch.setattr(report, "_phase", lambda results, s, w: phases[s])
+    lines = report.server_split_table({}, "docqa", list(phases))
+    rows = [line for line in lines if line.startswith("| hicache")]
+    assert rows == ["| hicache-l2 | 1000.0 | 500.0 | 400.0 | 60.0 | 1.0 | 50.0 |",
+                    "| hicache-l3 | 1100.0 | 500.0 | 500.0 | - | - | - |"]
+    del phases["hicache-l2"]["metrics_rounds_2on"]  # no run kept them: no such columns
+    assert "rounds >= 2" not in "".join(report.server_split_table({}, "docqa", list(phases)))
+
+
+def test_repeats_merge_their_rounds_2on_counters_only_if_every_repeat_kept_them():
+    first = {"requests": [], "round_wall_s": [1.0], "hits": {"L2": 1.0},
+             "metrics": {"a": 1.0}, "metrics_rounds_2on": {"a": 0.5}}
+    second = dict(first, metrics_rounds_2on={"a": 0.25, "b": 1.0})
+    results = {"systems": {"s": {"workloads": {"docqa": first, "docqa#2": second}}}}
+    assert report._phase(results, "s", "docqa")["metrics_rounds_2on"] == {"a": 0.75, "b": 1.0}
+    del second["metrics_rounds_2on"]
+    assert "metrics_rounds_2on" not in report._phase(results, "s", "docqa")

@@ -47,8 +47,9 @@ from vllm_hicache.common.jobs import NodeLoadJob
 from vllm_hicache.common.stats import HiCacheStats
 from vllm_hicache.keys import KeyNamespace, loadable_block_limit
 from vllm_hicache.node import NodeTierError
+from vllm_hicache.scheduler import hit_tiers
 from vllm_hicache.scheduler.load_gate import TIER_NODE, LoadGate
-from vllm_hicache.scheduler.request_state import Lookup, NodeProbe, ReqState
+from vllm_hicache.scheduler.request_state import HitTokens, Lookup, NodeProbe, ReqState
 from vllm_hicache.storage.base import StorageBackend
 from vllm_hicache.storage.node_chain import NodeChainBackend, node_key
 from vllm_hicache.storage.node_direct import config_blocker
@@ -214,10 +215,8 @@ class NodeAdmission:
         request = state.request
         state.node_admissions += 1
         stats.record_load(end - start)
-        tiers = (0, (end - start) * self.block_size)
-        stats.record_hit_tokens(*tiers)
-        stats.hit_tokens_node += tiers[1]
-        state.hit_tokens_by_tier = tiers
+        num_tokens = (end - start) * self.block_size
+        hit_tiers.record(stats, state, HitTokens(0, num_tokens), node_tokens=num_tokens)
         # The machine holds them once, in the tier: not stored to L2 again
         # (a failed load lowers num_computed_tokens, and they are reconsidered).
         state.num_planned = max(state.num_planned, end)

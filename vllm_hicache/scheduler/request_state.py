@@ -27,6 +27,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+class HitTokens(NamedTuple):
+    """Tokens of one admitted hit, by the tier that held them (hit_tiers.py)."""
+
+    l2: int
+    l3: int
+
+
 class NodeProbe(NamedTuple):
     """The node tier held ``found`` blocks of a request from block
     ``start`` on, when it arrived before scheduler step ``step``."""
@@ -82,7 +89,7 @@ class ReqState:
     node_admissions: int = 0
     # (L2, L3) tokens of the hit just admitted, until vLLM asks for them
     # (get_external_cache_hit_sources); None when not loaded or asked already.
-    hit_tokens_by_tier: tuple[int, int] | None = None
+    hit_tokens_by_tier: HitTokens | None = None
 
     @property
     def block_ids(self) -> list[int]:

@@ -49,7 +49,7 @@ from vllm_hicache.common.jobs import (
 from vllm_hicache.common.node_counts import InstanceNodeCounts
 from vllm_hicache.common.page_ops import OpKind, PageOps, PinnedRange
 from vllm_hicache.common.page_states import PageStates
-from vllm_hicache.common.stats import HiCacheStats, SchedulerReport, key, overlap_blocks
+from vllm_hicache.common.stats import HiCacheStats, SchedulerReport, key
 from vllm_hicache.config import HiCacheConfig, LoadMode
 from vllm_hicache.connector.geometry import KVGeometry, host_num_pages
 from vllm_hicache.connector.metadata import HiCacheMetadata, HiCacheWorkerMetadata
@@ -62,6 +62,7 @@ from vllm_hicache.policy import make_eviction_policy
 from vllm_hicache.policy.same_step import check_same_step_policy
 from vllm_hicache.policy.stop_budget import stop_budget
 from vllm_hicache.policy.write import WritePolicy, WritePolicyName, hit_counter_slots
+from vllm_hicache.scheduler import hit_tiers
 from vllm_hicache.scheduler.access_log import open_access_log
 from vllm_hicache.scheduler.arrivals import Arrivals
 from vllm_hicache.scheduler.failed_copies import FailedCopies
@@ -368,13 +369,7 @@ class HiCacheScheduler:
         l2_end = min(end, start + len(looked_up.pages))  # the rest: a same-step L3 read
         loaded = (num_external_tokens if looked_up.node_blocks
                   else (l2_end - start) * self.block_size)
-        self.load_gate.record(looked_up.tier, True, loaded)
-        self.load_gate.record(looked_up.tier, False, declined * self.block_size)
-        # A use of the whole hit, L1 part (and a declined L2 hit) included: a
-        # prefix vLLM keeps serving from its own cache must not age out of L2.
-        self.tree.touch(request.block_hashes, end + declined, priority=-request.priority)
-        if self.l3 is not None:
-            self.l3.backups.note_use(request.block_hashes[: end + declined])
+        self._record_use(request, looked_up.tier, loaded, end, declined)
         if looked_up.l3_pages and l2_end < end:  # read in this step (l3/same_step.py)
             assert self.l3 is not None, req_id
             self._step_same_step.append(
@@ -383,7 +378,7 @@ class HiCacheScheduler:
             # copy and a second page each). A failed load lowers
             # num_computed_tokens, and the recomputed blocks are considered again.
             state.num_planned = max(state.num_planned, end)
-        stages = self._l3_hit_stages(req_id, start, end)
+        stages = hit_tiers.l3_hit_stages(self.l3, req_id, start, end)
         self.access_log.admit(request, local, num_external_tokens, self.l3, self._step,
                               stages, num_external_tokens if looked_up.node_blocks else 0)
         if num_blocks == 0:
@@ -399,7 +394,21 @@ class HiCacheScheduler:
             self._load_l2(request, blocks.get_block_ids(), start, l2_end,
                           looked_up.pages[: l2_end - start])
         self.stats.record_load(num_blocks)
-        self._record_hit_tiers(state, start, end)
+        hit_tiers.record_l2_load(self.stats, self.l3, state, start, end, self.block_size)
+
+    def _record_use(self, request: Request, tier: str, loaded_tokens: int, end: int,
+                    declined_blocks: int) -> None:
+        """A use of the request's hit up to block ``end``, L1 part included,
+        and of the ``declined_blocks`` after it the load gate turned down:
+        the gate learns what it loaded and declined, and the whole prefix is
+        touched, so one vLLM keeps serving from its own cache does not age
+        out of L2 (nor out of exclusive L3's holds)."""
+        self.load_gate.record(tier, True, loaded_tokens)
+        self.load_gate.record(tier, False, declined_blocks * self.block_size)
+        used = end + declined_blocks
+        self.tree.touch(request.block_hashes, used, priority=-request.priority)
+        if self.l3 is not None:
+            self.l3.backups.note_use(request.block_hashes[:used])
 
     def _load_l2(self, request: Request, group_ids, start: int, end: int,
                  pages: list[int]) -> None:
@@ -420,40 +429,9 @@ class HiCacheScheduler:
         else:
             self._step_loads.append(job)
 
-    def _l3_hit_stages(self, req_id: str, start: int, end: int) -> dict[str, float] | None:
-        """The wait of a request admitted now with blocks [start, end) of which
-        its own L3 prefetch brought some, per stage; else None."""
-        fetched = self.l3.prefetched_range(req_id) if self.l3 is not None else None
-        if fetched is None or min(end, fetched[1]) <= max(start, fetched[0]):
-            return None
-        assert self.l3 is not None
-        return self.l3.hit_stages(req_id, time.monotonic())
-
-    def _record_hit_tiers(self, state: ReqState, start: int, end: int) -> None:
-        """Split the hit [start, end) into what was in L2 and what this
-        request's own L3 prefetch brought in."""
-        l3_blocks = 0
-        fetched = (self.l3.prefetched_range(state.request.request_id)
-                   if self.l3 is not None else None)
-        if fetched is not None:
-            l3_blocks = max(0, min(end, fetched[1]) - max(start, fetched[0]))
-        tiers = ((end - start - l3_blocks) * self.block_size, l3_blocks * self.block_size)
-        self.stats.record_hit_tokens(*tiers)
-        if l3_blocks and self.l3 is not None:  # of the L3 part: from the node tier
-            node = self.l3.node_range(state.request.request_id)
-            self.stats.hit_tokens_node += overlap_blocks(node, start, end) * self.block_size
-        state.hit_tokens_by_tier = tiers
-
     def hit_tiers(self, req_id: str, num_tokens: int) -> dict[str, int]:
         """``num_tokens`` of the request's last hit, by tier (non-zero only)."""
-        state = self._reqs.get(req_id)
-        tiers = state.hit_tokens_by_tier if state is not None else None
-        if state is not None:
-            state.hit_tokens_by_tier = None  # asked once per admission
-        l2, l3 = tiers if tiers is not None else (num_tokens, 0)
-        if l2 + l3 != num_tokens:
-            l2, l3 = num_tokens, 0
-        return {tier: n for tier, n in (("L2", l2), ("L3", l3)) if n}
+        return hit_tiers.take(self._reqs.get(req_id), num_tokens)
 
     # --- per step --------------------------------------------------------
 
