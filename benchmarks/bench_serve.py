@@ -182,22 +182,31 @@ def run_phase(server: Server, system: System, name: str, body) -> dict:
     result = body()
     wall = time.monotonic() - start
     wait_idle(server)
-    moved = prom.delta(before, prom.parse(server.metrics()))
+    after = prom.parse(server.metrics())
+    moved = prom.delta(before, after)
     result.update(wall_s=wall, metrics=moved, hits=prom.hit_tokens(moved),
                   loadavg_before=load_before, loadavg_after=os.getloadavg())
+    if "metrics_at_round_2" in result:  # what rounds >= 2 alone moved
+        result["metrics_rounds_2on"] = prom.delta(result.pop("metrics_at_round_2"), after)
     print(f"[{system.name}] {name}: {wall:.0f} s, load {load_before[0]:.1f} -> "
           f"{result['loadavg_after'][0]:.1f}; {report.phase_line(result)}", flush=True)
     return result
 
 
 def run_sessions(server: Server, system: System, workload, plan: Plan) -> dict:
-    hook = None
-    if system.reset == "rounds":
-        def hook(round_index: int) -> None:
+    at_round_2: dict[str, float] = {}
+
+    def hook(round_index: int) -> None:
+        if round_index == 1:  # round 1 answered: the counters rounds >= 2 start from
+            at_round_2.update(prom.parse(server.metrics()))
+        if system.reset == "rounds":
             wait_idle(server)  # backups of the last round reached L3
             server.reset_caches()
-    return run_workload(workload, server.url, SERVED_NAME, plan.block_size,
-                        f"{system.name} {workload.name}", hook)
+    result = run_workload(workload, server.url, SERVED_NAME, plan.block_size,
+                          f"{system.name} {workload.name}", hook)
+    if at_round_2:
+        result["metrics_at_round_2"] = at_round_2
+    return result
 
 
 def run_bench(server: Server, system: System, bench: BenchServeSpec, name: str,
