@@ -66,6 +66,17 @@ def worker_half():
     return get_kv_transfer_group().worker
 
 
+def land_backups(timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until the worker has written every L3 backup sent to it
+    so far. They run on background threads (io_threads.Background), which a
+    loaded machine may keep from a core for a while, so a test that checks
+    what the next request finds in L3 waits for them. Backups of the last
+    step's stores are planned in the next step, so those land later still."""
+    io = worker_half()._io
+    assert io is not None, "no L3 on this engine"
+    assert io.wait_idle(timeout_s), f"L3 backups still in flight after {timeout_s:g} s"
+
+
 def generate(llm, prompts: list[list[int]], max_tokens: int = 12):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

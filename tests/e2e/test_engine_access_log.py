@@ -9,7 +9,14 @@ import random
 
 import pytest
 
-from tests.e2e.engine_utils import BLOCK_SIZE, close, generate, make_llm, scheduler_half
+from tests.e2e.engine_utils import (
+    BLOCK_SIZE,
+    close,
+    generate,
+    land_backups,
+    make_llm,
+    scheduler_half,
+)
 from vllm_hicache.planner.log_format import Admit, read_logs
 from vllm_hicache.planner.report import CostModel, build_plan
 
@@ -38,6 +45,7 @@ def run_workload(llm) -> tuple[int, int]:
         for k in range(0, CONVERSATIONS, BATCH):
             batch = order[k : k + BATCH]
             outs, cached = generate(llm, [convs[c] for c in batch], max_tokens=12)
+            land_backups()  # the replay's L3 has every backup at once
             prompt_tokens += sum(len(convs[c]) for c in batch)
             cached_tokens += sum(cached)
             for c, out in zip(batch, outs):
