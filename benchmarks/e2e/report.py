@@ -46,14 +46,17 @@ def _phase(results: dict, system: str, workload: str) -> dict | None:
     merged["requests"] = [r for p in phases for r in p["requests"]]
     merged["round_wall_s"] = [sum(w) for w in zip(*(p["round_wall_s"] for p in phases))]
     merged["hits"] = {k: sum(p["hits"][k] for p in phases) for k in phases[0]["hits"]}
-    keys = {k for p in phases for k in p.get("metrics", {})}
-    merged["metrics"] = {k: sum(p.get("metrics", {}).get(k, 0.0) for p in phases) for k in keys}
+    merged["metrics"] = _summed([p.get("metrics", {}) for p in phases])
     later = [p["metrics_rounds_2on"] for p in phases if "metrics_rounds_2on" in p]
     merged.pop("metrics_rounds_2on", None)  # the first repeat's alone would mislead
     if len(later) == len(phases):
-        keys = {k for m in later for k in m}
-        merged["metrics_rounds_2on"] = {k: sum(m.get(k, 0.0) for m in later) for k in keys}
+        merged["metrics_rounds_2on"] = _summed(later)
     return merged
+
+
+def _summed(counters: list[dict[str, float]]) -> dict[str, float]:
+    """Counters moved by several runs, added up by name."""
+    return {k: sum(c.get(k, 0.0) for c in counters) for k in {k for c in counters for k in c}}
 
 
 def session_workloads(results: dict) -> list[str]:
@@ -211,15 +214,11 @@ def server_split_table(results: dict, workload: str, systems: list[str]) -> list
              "| system | TTFT | queue | prefill |"
              + (" TTFT, rounds >= 2 | queue | prefill |" if with_later else ""),
              "| --- | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if with_later else "")]
-    for s, v in every.items():
-        if not v:
-            continue
-        row = f"| {s} | {v['ttft']:.1f} | {v['queue']:.1f} | {v['prefill']:.1f} |"
-        if with_later:
-            w = later[s]
-            row += (f" {w['ttft']:.1f} | {w['queue']:.1f} | {w['prefill']:.1f} |" if w
-                    else " - | - | - |")
-        lines.append(row)
+    def cells(split: dict[str, float]) -> str:
+        return " | ".join(f"{split[k]:.1f}" if split else "-" for k in ("ttft", "queue", "prefill"))
+
+    lines += [f"| {s} | {cells(v)} |" + (f" {cells(later[s])} |" if with_later else "")
+              for s, v in every.items() if v]
     return lines
 
 
