@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 import torch
 
@@ -75,6 +76,26 @@ def land_backups(timeout_s: float = 60.0) -> None:
     io = worker_half()._io
     assert io is not None, "no L3 on this engine"
     assert io.wait_idle(timeout_s), f"L3 backups still in flight after {timeout_s:g} s"
+
+
+def settle_backups(llm, timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until every L3 backup of what ran so far is written
+    and acknowledged to the scheduler half. A backup pins its pages, and
+    ``reset_prefix_cache(reset_connector=True)`` keeps pinned pages in L2,
+    so a test that then expects hits from L3 settles first: else the next
+    pass hits L2 on a loaded machine. While the connector has pending push
+    work, empty steps (as vLLM's own loop runs them) carry the
+    acknowledgements back once the worker has written the objects; no
+    request is added (the access log counts them)."""
+    core = llm.llm_engine.engine_core.engine_core
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining_s = deadline - time.monotonic()
+        assert remaining_s > 0, f"L3 backups not acknowledged after {timeout_s:g} s"
+        land_backups(remaining_s)
+        if not core.scheduler.has_requests():  # no request left, no work pending
+            return
+        core.step()
 
 
 def generate(llm, prompts: list[list[int]], max_tokens: int = 12):

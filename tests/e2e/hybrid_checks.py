@@ -24,6 +24,7 @@ from tests.e2e.engine_utils import (
     generate,
     make_llm,
     scheduler_half,
+    settle_backups,
     worker_half,
 )
 
@@ -108,7 +109,8 @@ def check_l3_hits_equal_recomputation(engine, expected, seed: int) -> None:
     prompts = prompt_set(seed)
     first, cached = generate(engine, prompts)
     assert first == expected and cached == [0, 0]
-    # L1 and L2 dropped; the backups reached L3.
+    # L1 and L2 dropped once the backups reached L3.
+    settle_backups(engine)
     assert engine.reset_prefix_cache(reset_connector=True)
     assert any(engine.l3_dir.rglob("*.hckv"))
     prefetched_before = sched.l3.prefetched_blocks
@@ -144,7 +146,7 @@ class Conversation:
 def converse(llm, seed: int, evict: str,
              between: Callable[[], None] | None = None) -> Conversation:
     """``evict``: "l1" fills L1 between the turns, so turn 2 can hit only L2;
-    "l2" also drops L2 (after the filler let turn 1's backups land), so turn
+    "l2" also drops L2 (once turn 1's backups are acknowledged), so turn
     2 can hit only L3. ``between`` runs last before turn 2 (dropping caches
     another way, a negative control's corruption)."""
     has_connector = llm.llm_engine.vllm_config.kv_transfer_config is not None
@@ -155,6 +157,7 @@ def converse(llm, seed: int, evict: str,
     if evict != "none":
         generate(llm, filler(seed))
     if evict == "l2":
+        settle_backups(llm)
         assert llm.reset_prefix_cache(reset_connector=True)
     if between is not None:
         between()

@@ -13,9 +13,9 @@ from tests.e2e.engine_utils import (
     BLOCK_SIZE,
     close,
     generate,
-    land_backups,
     make_llm,
     scheduler_half,
+    settle_backups,
 )
 from vllm_hicache.planner.log_format import Admit, read_logs
 from vllm_hicache.planner.report import CostModel, build_plan
@@ -45,7 +45,7 @@ def run_workload(llm) -> tuple[int, int]:
         for k in range(0, CONVERSATIONS, BATCH):
             batch = order[k : k + BATCH]
             outs, cached = generate(llm, [convs[c] for c in batch], max_tokens=12)
-            land_backups()  # the replay's L3 has every backup at once
+            settle_backups(llm)  # the replay's L3 has every backup at once
             prompt_tokens += sum(len(convs[c]) for c in batch)
             cached_tokens += sum(cached)
             for c, out in zip(batch, outs):
@@ -70,11 +70,19 @@ def test_replay_predicts_the_hit_rate_the_engine_measured(tiny_model_dir, tmp_pa
                                                  "prefetch_threshold": BLOCK_SIZE},
         "hicache_size": (L2_PAGES + 0.5) * PAGE_BYTES / 1e9,
         "hicache_access_log": str(log_path),
+        # The replay models the tiers, not the load gate: under "auto" the gate
+        # may decline L3 hits once its estimates say the tiny model recomputes
+        # them faster (seen as a batch of 4 declined hits, 512 tokens, in about
+        # one run in three after other engines had run in the process).
+        "hicache_load_decision": "always",
     }
     llm = make_llm(tiny_model_dir, extra)
     try:
         assert scheduler_half(llm).num_pages == L2_PAGES
         prompt_tokens, cached_tokens = run_workload(llm)
+        half = scheduler_half(llm)
+        decisions = (dict(half.load_gate.decisions), half.l3.prefetch_not_worth,
+                     half.l3.prefetch_revoked, half.l3.prefetch_timed_out)
     finally:
         close(llm)  # flushes the log
     log = read_logs([log_path])
@@ -84,16 +92,20 @@ def test_replay_predicts_the_hit_rate_the_engine_measured(tiny_model_dir, tmp_pa
     plan = build_plan(log, CostModel(), l2_gb=[], l3_gb=[])
     measured, predicted = plan.measured, plan.served.result
     engine_rate = cached_tokens / prompt_tokens
-    print(f"\nengine hit {engine_rate:.3f}; log {_tiers(measured)}; replay {_tiers(predicted)}")
+    differ = [(i, m, p) for i, (m, p) in enumerate(zip(measured.per_request,
+                                                        predicted.per_request)) if m != p]
+    tiers = (f"engine hit {engine_rate:.3f}; log {_tiers(measured)}; replay {_tiers(predicted)}"
+             f"; (request, logged, replayed) where they differ: {differ}; "
+             f"gate decisions, not worth, revoked, timed out: {decisions}")
     # The log says what the engine measured, request by request.
     assert measured.requests == CONVERSATIONS * TURNS == sum(
         isinstance(r, Admit) for r in log.records)
     assert (measured.prompt_tokens, measured.hit_tokens) == (prompt_tokens, cached_tokens)
     # The workload uses every tier.
-    assert min(measured.l1_tokens, measured.l2_tokens, measured.l3_tokens) > 0
+    assert min(measured.l1_tokens, measured.l2_tokens, measured.l3_tokens) > 0, tiers
     # The replay predicts it: L1 exactly (vLLM's prefix cache is simulated
     # block by block), the whole within a few points.
-    assert predicted.l1_tokens == measured.l1_tokens
-    assert abs(predicted.hit_rate - engine_rate) <= TOLERANCE
+    assert predicted.l1_tokens == measured.l1_tokens, tiers
+    assert abs(predicted.hit_rate - engine_rate) <= TOLERANCE, tiers
     assert abs(predicted.rate(predicted.saved_tokens) - measured.rate(measured.saved_tokens)) \
-        <= TOLERANCE
+        <= TOLERANCE, tiers

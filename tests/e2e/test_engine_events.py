@@ -19,6 +19,7 @@ from tests.e2e.engine_utils import (
     generate,
     make_llm,
     prompts_with_shared_prefix,
+    settle_backups,
 )
 
 pytestmark = pytest.mark.engine
@@ -76,8 +77,7 @@ def test_l2_and_l3_blocks_are_published_next_to_vllms(engine):
     llm, sub = engine
     prompts = prompts_with_shared_prefix()
     generate(llm, prompts)
-    time.sleep(0.5)  # backups land ...
-    generate(llm, [[7, 8]])  # ... and a step carries their acks back
+    settle_backups(llm)
     events = drain(sub)
     gpu = of(events, "BlockStored", "GPU")
     cpu = of(events, "BlockStored", "CPU")

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from tests.e2e.engine_utils import (
     make_llm,
     prompts_with_shared_prefix,
     scheduler_half,
+    settle_backups,
 )
 
 pytestmark = pytest.mark.engine
@@ -81,8 +81,7 @@ def test_corrupt_objects_are_misses_with_identical_outputs(tiny_model_dir, refer
     llm = make_llm(tiny_model_dir, extra)
     try:
         generate(llm, prompts)
-        time.sleep(0.5)  # backups land ...
-        generate(llm, [[7, 8]])  # ... and a step carries their acks back
+        settle_backups(llm)
         # First show that L3 serves these prompts: otherwise "identical
         # outputs after corruption" would prove nothing.
         half = scheduler_half(llm)

@@ -24,6 +24,7 @@ from tests.e2e.engine_utils import (
     make_llm,
     prompts_with_shared_prefix,
     scheduler_half,
+    settle_backups,
 )
 from tests.storage.redis.services import RedisServer
 
@@ -48,12 +49,6 @@ def l3_extra(backend: str, options: dict) -> dict:
         "l3_breaker_latency_budget_ms": BUDGET_MS,
         "l3_breaker_probe_interval_s": PROBE_S,
     }
-
-
-def settle(llm) -> None:
-    """Let the backups land, and a step carry their acks back."""
-    time.sleep(0.5)
-    generate(llm, [[7] * 3])
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
@@ -84,7 +79,7 @@ def run_outage(llm, reference, fail: Callable[[], None], heal: Callable[[], None
     prompts = prompts_with_shared_prefix()
     outputs, _ = generate(llm, prompts)
     assert outputs == reference
-    settle(llm)
+    settle_backups(llm)
     assert planner.health.usable and planner.breaker_status()["state"] == "closed"
 
     fail()
@@ -111,7 +106,7 @@ def run_outage(llm, reference, fail: Callable[[], None], heal: Callable[[], None
         assert sum(hits_l3(llm, prompts, reference)) > 128
     # What is computed from now on is backed up and hit again.
     cold, _ = generate(llm, FRESH)
-    settle(llm)
+    settle_backups(llm)
     assert hits_l3(llm, FRESH, cold) == [96, 128]
     half.check_integrity()
 

@@ -4,8 +4,6 @@ and after L2 is cleared the prefix comes back from the cluster as L3 hits."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.e2e.engine_utils import (
@@ -15,6 +13,7 @@ from tests.e2e.engine_utils import (
     make_llm,
     prompts_with_shared_prefix,
     scheduler_half,
+    settle_backups,
 )
 from tests.storage.redis.cluster_services import LocalCluster
 
@@ -38,8 +37,7 @@ def test_cluster_as_l3_serves_hits(tiny_model_dir, reference, tmp_path):
     try:
         outputs, _ = generate(llm, prompts)
         assert outputs == reference
-        time.sleep(0.5)  # let the backups land
-        generate(llm, [[7] * 3])  # a step that carries the acks back
+        settle_backups(llm)
         per_master = {}
         for port in cluster.masters():
             client = cluster.client(port)

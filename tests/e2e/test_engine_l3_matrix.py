@@ -5,7 +5,6 @@ dropped, the prompts come back from L3 with outputs equal to the reference."""
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from tests.e2e.engine_utils import (
     make_llm,
     prompts_with_shared_prefix,
     scheduler_half,
+    settle_backups,
 )
 
 pytestmark = pytest.mark.engine
@@ -44,8 +44,7 @@ def test_l3_round_trip(tiny_model_dir, reference, tmp_path, layout, write_policy
             assert generate(llm, prompts)[0] == reference  # the second use stores
         assert llm.reset_prefix_cache()  # write_back: L1 -> L2 (and L3) now
         assert generate(llm, prompts)[0] == reference
-        time.sleep(0.5)  # backups land ...
-        generate(llm, [[7, 8]])  # ... and a step carries their acks back
+        settle_backups(llm)
         assert llm.reset_prefix_cache(reset_connector=True)
         outputs, cached = generate(llm, prompts)
         assert outputs == reference

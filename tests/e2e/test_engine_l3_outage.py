@@ -16,6 +16,7 @@ from tests.e2e.engine_utils import (
     make_llm,
     prompts_with_shared_prefix,
     scheduler_half,
+    settle_backups,
 )
 from tests.storage.redis.services import RedisServer
 
@@ -39,8 +40,7 @@ def test_redis_outage_costs_misses_not_answers(tiny_model_dir, reference, tmp_pa
     try:
         outputs, _ = generate(llm, prompts)
         assert outputs == reference
-        time.sleep(0.5)  # let the backups land
-        generate(llm, [[7] * 3])  # a step that carries the acks back
+        settle_backups(llm)
         server.kill()
         assert llm.reset_prefix_cache(reset_connector=True)
         start = time.monotonic()
@@ -55,8 +55,7 @@ def test_redis_outage_costs_misses_not_answers(tiny_model_dir, reference, tmp_pa
         server.start()
         fresh = [[5 + (i * 11) % 470 for i in range(100)], [9 + (i * 13) % 470 for i in range(130)]]
         cold, _ = generate(llm, fresh)
-        time.sleep(0.5)
-        generate(llm, [[7] * 3])
+        settle_backups(llm)
         assert llm.reset_prefix_cache(reset_connector=True)
         outputs, cached = generate(llm, fresh)
         assert outputs == cold

@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from tests.e2e.engine_utils import close, generate, make_llm, prompts_with_shared_prefix
+from tests.e2e.engine_utils import (
+    close,
+    generate,
+    make_llm,
+    prompts_with_shared_prefix,
+    settle_backups,
+)
 from tests.e2e.engine_utils import scheduler_half as sched_of
 from tests.e2e.test_engine_l3 import expected_hits, l3_extra
 from vllm_hicache.l3.hit_stages import WAIT_STAGES
@@ -59,6 +65,7 @@ def test_stages_of_an_l3_hit_add_up_to_its_wait(tiny_model_dir, reference, tmp_p
     try:
         prompts = prompts_with_shared_prefix()
         generate(llm, prompts)  # computed, stored to L2, backed up to L3
+        settle_backups(llm)
         assert llm.reset_prefix_cache(reset_connector=True)  # L1 and L2 gone
         sched = sched_of(llm)
         waits = Waits(sched)

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engine_utils import close, generate, make_llm, prompts_with_shared_prefix
+from tests.e2e.engine_utils import (
+    close,
+    generate,
+    make_llm,
+    prompts_with_shared_prefix,
+    settle_backups,
+)
 from tests.e2e.test_engine_l3 import expected_hits, l3_extra
 from vllm_hicache.l3 import lookups as lookups_module
 from vllm_hicache.l3 import report_wait
@@ -65,6 +71,7 @@ def admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch,
         assert core.batch_queue is None  # no async scheduling on CPU (module doc)
         prompts = prompts_with_shared_prefix()
         generate(llm, prompts)  # computed, stored to L2, backed up to L3
+        settle_backups(llm)
         assert llm.reset_prefix_cache(reset_connector=True)  # L1 and L2 gone
         outputs, cached = generate(llm, prompts)
         assert outputs == reference

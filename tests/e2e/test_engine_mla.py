@@ -17,13 +17,20 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.engine_utils import ByteAudit, close, generate, make_llm, scheduler_half, worker_half
+from tests.e2e.engine_utils import (
+    ByteAudit,
+    close,
+    generate,
+    make_llm,
+    scheduler_half,
+    settle_backups,
+    worker_half,
+)
 from tests.mla_model import MLA_LATENT, build_tiny_deepseek_v2
 
 pytestmark = pytest.mark.engine
@@ -97,8 +104,7 @@ def test_negative_control_corrupt_l2_is_what_loads(llm):
 def test_one_l3_copy_and_l3_hits(llm):
     llm.reset_prefix_cache(reset_connector=True)
     generate(llm, PROMPTS)
-    time.sleep(1.0)
-    generate(llm, [prompt(9, 20)])  # a step to collect the backups' acknowledgements
+    settle_backups(llm)
     objects = list(Path(llm.l3_dir).rglob("*.hckv"))
     # One copy per block: no TP rank in the name (a name is namespace + block hash).
     assert objects and {p.name.split("-")[2] for p in objects} == {"mla"}
