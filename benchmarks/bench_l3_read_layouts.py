@@ -13,8 +13,12 @@ For the layer-major layouts it also times ``PageStore.read_by_layer`` (the
 read a same-step L1 copy can follow layer by layer): when the first layer
 is in the pool, when the whole read has ended, checks included, and the
 reading thread's CPU time for it (what competes with a forward beside it).
+``--parts`` adds, per layer-major layout, the read by layer's mean time per
+part (opening the objects, headers and first layers, the later layers, the
+copies into the pool, the checks), each part timed by wrapping its method.
 
 Run: .venv/bin/python benchmarks/bench_l3_read_layouts.py [--dir DIR] [--pages 48] [--reads 40]
+     [--parts]
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pages", type=int, default=48, help="pages per read (one hit)")
     p.add_argument("--reads", type=int, default=40)
     p.add_argument("--canonical", action="store_true", help="L1 blocks in canonical order")
+    p.add_argument("--parts", action="store_true", help="time the read by layer part by part")
     return p.parse_args()
 
 
@@ -95,11 +100,52 @@ def median_read_s(layout: str, root: str, args: argparse.Namespace) -> ReadTimes
         first_s.append(landed[0] - started)
         if read != num:
             raise SystemExit(f"{layout}: read by layer {read} of {num} pages")
+    if args.parts and store.reads_by_layer:
+        print_parts(layout, store, hashes, targets, args.reads)
     backend.close()
     return ReadTimes(statistics.median(seconds), num * pool.bytes_per_page,
                      statistics.median(first_s) if first_s else None,
                      statistics.median(layered_s) if layered_s else None,
                      statistics.median(layered_cpu_s) if layered_cpu_s else None)
+
+
+# read_by_layer's parts: (label, owner attribute or None for the store, method).
+PARTS = (("opening the objects", "backend", "open_ranged"),
+         ("headers and first layers", None, "_read_first_layer"),
+         ("copies into the pool", "pool", "write_layer_payloads"),
+         ("checks", None, "_open_objects"))
+
+
+def print_parts(layout: str, store: PageStore, hashes: list[bytes], targets: list[int],
+                reads: int) -> None:
+    """Mean milliseconds per read of each part of ``read_by_layer`` (the
+    later layers' reads are what the parts leave of the whole)."""
+    spent = {label: 0.0 for label, _, _ in PARTS}
+    patched = []
+    for label, owner, name in PARTS:
+        target = store if owner is None else getattr(store, owner)
+        real = getattr(target, name)
+
+        def timed(*args, _real=real, _label=label, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                spent[_label] += time.perf_counter() - started
+
+        setattr(target, name, timed)  # an instance attribute: this store only
+        patched.append((target, name))
+    whole_s = 0.0
+    for _ in range(reads):
+        started = time.perf_counter()
+        store.read_by_layer(hashes, targets, lambda layer, n: None)
+        whole_s += time.perf_counter() - started
+    for target, name in patched:
+        delattr(target, name)
+    parts = "; ".join(f"{label} {v / reads * 1e3:.2f}" for label, v in spent.items())
+    rest_s = whole_s - sum(spent.values())
+    print(f"{layout:18s} read by layer, ms per read: {parts}; "
+          f"later layers {rest_s / reads * 1e3:.2f}; whole {whole_s / reads * 1e3:.2f}", flush=True)
 
 
 def main() -> int:
