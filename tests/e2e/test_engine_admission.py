@@ -14,6 +14,7 @@ from tests.e2e.engine_utils import (
     make_llm,
     prompts_with_shared_prefix,
     scheduler_half,
+    settle_backups,
 )
 from tests.e2e.test_engine_l3 import expected_hits, l3_extra
 from vllm_hicache.common.stats import key, planner_samples
@@ -65,6 +66,7 @@ def test_admission_rules_keep_answers_and_hit_where_the_rule_says(
             assert samples[key("l3_admitted_late_blocks")] == \
                 half.l3.backups.admission.num_admitted_later
         generate(llm, [[1] * 40])  # a step or two: the admitted backups go out
+        settle_backups(llm)
         assert llm.reset_prefix_cache(reset_connector=True)  # L1 and L2
         outputs, cached = generate(llm, prompts)
         assert outputs == reference
@@ -99,6 +101,7 @@ def test_exclusive_l3_serves_what_l2_evicted(tiny_model_dir, tmp_path, write_pol
             generate(llm, [[1] * 40])
         assert half.l3.backups.victims.num_backed_up > 0
         assert half.l3.backups.victims.num_backed_up < half.stats.stored_blocks
+        settle_backups(llm)  # the victims are in L3 before they are looked up
         assert llm.reset_prefix_cache()  # L1 only: L2 and L3 serve
         again, cached = generate(llm, prompts[:2])
         assert again == first[:2]
