@@ -67,17 +67,6 @@ def worker_half():
     return get_kv_transfer_group().worker
 
 
-def land_backups(timeout_s: float = 60.0) -> None:
-    """Wait (bounded) until the worker has written every L3 backup sent to it
-    so far. They run on background threads (io_threads.Background), which a
-    loaded machine may keep from a core for a while, so a test that checks
-    what the next request finds in L3 waits for them. Backups of the last
-    step's stores are planned in the next step, so those land later still."""
-    io = worker_half()._io
-    assert io is not None, "no L3 on this engine"
-    assert io.wait_idle(timeout_s), f"L3 backups still in flight after {timeout_s:g} s"
-
-
 def settle_backups(llm, timeout_s: float = 60.0) -> None:
     """Wait (bounded) until every L3 backup of what ran so far is written
     and acknowledged to the scheduler half. A backup pins its pages, and
@@ -86,13 +75,17 @@ def settle_backups(llm, timeout_s: float = 60.0) -> None:
     pass hits L2 on a loaded machine. While the connector has pending push
     work, empty steps (as vLLM's own loop runs them) carry the
     acknowledgements back once the worker has written the objects; no
-    request is added (the access log counts them)."""
+    request is added (the access log counts them). The writes run on
+    background threads (io_threads.Background), which a loaded machine may
+    keep from a core for a while."""
     core = llm.llm_engine.engine_core.engine_core
+    io = worker_half()._io
+    assert io is not None, "no L3 on this engine"
     deadline = time.monotonic() + timeout_s
     while True:
         remaining_s = deadline - time.monotonic()
         assert remaining_s > 0, f"L3 backups not acknowledged after {timeout_s:g} s"
-        land_backups(remaining_s)
+        assert io.wait_idle(remaining_s), f"L3 backups still in flight after {timeout_s:g} s"
         if not core.scheduler.has_requests():  # no request left, no work pending
             return
         core.step()
