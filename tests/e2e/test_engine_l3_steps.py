@@ -30,6 +30,7 @@ from tests.e2e.engine_utils import (
     make_llm,
     prompts_with_shared_prefix,
     settle_backups,
+    worker_half,
 )
 from tests.e2e.test_engine_l3 import expected_hits, l3_extra
 from vllm_hicache.l3 import lookups as lookups_module
@@ -48,7 +49,8 @@ GENEROUS_S = 30.0
 
 
 def admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch,
-                    layered: list[int] | None = None, **storage_options) -> list[int]:
+                    layered: list[int] | None = None, mem_layout: str = "layer_first",
+                    **storage_options) -> list[int]:
     """Steps from arrival to admission of each L3 hit of a second pass over
     the prompts (L1 and L2 emptied first), checking the answers and the hits;
     ``layered`` gets one item per read delivered layer by layer."""
@@ -63,12 +65,13 @@ def admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch,
 
     monkeypatch.setattr(StorageIO, "_prefetch_by_layer", by_layer)
     log_path = tmp_path / "access.log"
-    extra = l3_extra(tmp_path / "l3")
+    extra = {**l3_extra(tmp_path / "l3"), "hicache_mem_layout": mem_layout}
     extra["hicache_storage_backend_extra_config"].update(storage_options)
     llm = make_llm(tiny_model_dir, {**extra, "hicache_access_log": str(log_path)})
     try:
         core = llm.llm_engine.engine_core.engine_core
         assert core.batch_queue is None  # no async scheduling on CPU (module doc)
+        assert worker_half().pool.mem_layout == mem_layout  # not rewritten on this platform
         prompts = prompts_with_shared_prefix()
         generate(llm, prompts)  # computed, stored to L2, backed up to L3
         settle_backups(llm)
@@ -96,17 +99,19 @@ def test_an_l3_hit_is_admitted_one_step_after_arrival(tiny_model_dir, reference,
     assert layered == []  # whole reads into L2, loaded a step later
 
 
+@pytest.mark.parametrize("mem_layout", ["layer_first", "page_first_direct"])
 def test_same_step_admits_an_l3_hit_in_its_arrival_step(tiny_model_dir, reference, tmp_path,
-                                                        monkeypatch):
+                                                        monkeypatch, mem_layout):
     """same_step_read_wait_ms (l3/same_step.py): the read leaves with step A
     and the L1 copy waits for it in step A, so step A admits; the answers
-    equal recomputation and every hit token is served from L3."""
+    equal recomputation and every hit token is served from L3. (layer_first
+    reads through a staging buffer, page_first_direct into the pool page.)"""
     layered: list[int] = []
     steps = admission_steps(tiny_model_dir, reference, tmp_path, monkeypatch, layered,
-                            same_step_read_wait_ms=1000)  # the longest accepted
+                            mem_layout, same_step_read_wait_ms=1000)  # the longest accepted
     assert steps == [0] * len(steps), steps
-    # On CPU, from the file store, in the default layout: every hit's read
-    # was delivered layer by layer, each layer's copy following it.
+    # On CPU, from the file store, in either layout: every hit's read was
+    # delivered layer by layer, each layer's copy following it.
     assert len(layered) == len(steps), layered
 
 
@@ -127,12 +132,13 @@ def damage_page_objects(l3_dir: Path) -> int:
     return damaged
 
 
-def second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch) -> list[list[int]]:
+def second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch,
+                                mem_layout: str) -> list[list[int]]:
     """The prompts once (stored to L3), L1 and L2 emptied, every page object
     damaged, the prompts again with same-step admission: their answers."""
     monkeypatch.setattr(lookups_module, "LOOKUP_WAIT_PER_STEP_S", GENEROUS_S)
     monkeypatch.setattr(report_wait, "PREFETCH_REPORT_WAIT_S", GENEROUS_S)
-    extra = l3_extra(tmp_path / "l3")
+    extra = {**l3_extra(tmp_path / "l3"), "hicache_mem_layout": mem_layout}
     extra["hicache_storage_backend_extra_config"]["same_step_read_wait_ms"] = 1000
     llm = make_llm(tiny_model_dir, extra)
     try:
@@ -146,17 +152,21 @@ def second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch) -> list[l
     return outputs
 
 
+@pytest.mark.parametrize("mem_layout", ["layer_first", "page_first_direct"])
 def test_pages_that_fail_their_check_after_use_are_recomputed(tiny_model_dir, reference,
-                                                               tmp_path, monkeypatch):
+                                                               tmp_path, monkeypatch, mem_layout):
     """Read layer by layer, a page reaches L1 before its object's check has
     run; a check that then fails makes its blocks load errors in the same
     step, so vLLM recomputes them: the answers equal recomputation."""
-    assert second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch) == reference
+    assert second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch,
+                                       mem_layout) == reference
 
 
+@pytest.mark.parametrize("mem_layout", ["layer_first", "page_first_direct"])
 def test_negative_control_damaged_pages_change_the_answers(tiny_model_dir, reference, tmp_path,
-                                                          monkeypatch):
+                                                          monkeypatch, mem_layout):
     """The same run with the after-use checks ignored: the damaged KV is
     used, and the answers differ (so the test above can fail)."""
     monkeypatch.setattr(StreamedLoads, "finish", lambda self: [])
-    assert second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch) != reference
+    assert second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch,
+                                       mem_layout) != reference

@@ -95,8 +95,13 @@ def test_layers_arrive_in_order_and_equal_the_written_pages(make_pages, layout, 
     good, seen = read_by_layer(pages)
     assert good == 4 and pages.invalid_objects == 0
     assert seen.calls == [(layer, 4) for layer in range(NUM_LAYERS)]
-    # At layer i's call, layers 0..i are in the pool and the later ones not yet.
-    assert seen.filled == [[lyr <= i for lyr in range(NUM_LAYERS)] for i in range(NUM_LAYERS)]
+    # At layer i's call, layers 0..i are in the pool. Staged (layer_first),
+    # the later ones are not yet; read into the page (page_first_direct), the
+    # rest of layer i's request group (here layers 1-2) already is.
+    group_end = [1] + [NUM_LAYERS] * (NUM_LAYERS - 1)
+    expected = [[lyr <= i or (layout == "page_first_direct" and lyr < group_end[i])
+                 for lyr in range(NUM_LAYERS)] for i in range(NUM_LAYERS)]
+    assert seen.filled == expected
     assert torch.equal(pages.pool.read_pages(SRC), pages.pool.read_pages(DST))
 
 
@@ -109,8 +114,9 @@ def test_stores_that_cannot_read_by_layer_say_so(make_pages, layout, secret, enc
     assert not make_pages(layout, secret, encrypt).reads_by_layer
 
 
-def test_a_missing_object_ends_the_read_at_every_layer(make_pages, tmp_path):
-    pages = make_pages()
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_a_missing_object_ends_the_read_at_every_layer(make_pages, tmp_path, layout):
+    pages = make_pages(layout)
     pages.write(HASHES, SRC)
     os.unlink(object_file(pages, tmp_path, 2))
     good, seen = read_by_layer(pages)
@@ -135,12 +141,14 @@ def test_a_foreign_or_truncated_object_fails_before_its_first_layer(make_pages, 
     assert pages.invalid_objects == (damage == "foreign")  # a truncated one is a miss
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
 @pytest.mark.parametrize("secret", [None, SECRET])
-def test_a_corrupt_layer_is_delivered_but_not_counted(make_pages, tmp_path, secret):
+def test_a_corrupt_layer_is_delivered_but_not_counted(make_pages, tmp_path, secret, layout):
     """The check covers the whole object, so a flipped byte in layer 1 is
     found only after the last layer: the layers were delivered (unverified),
-    the result stops before the object."""
-    pages = make_pages(secret=secret)
+    the result stops before the object. Read into the pool page itself
+    (page_first_direct), the check runs over the page's bytes."""
+    pages = make_pages(layout, secret=secret)
     pages.write(HASHES, SRC)
     layer_bytes = pages.payload_bytes // NUM_LAYERS
     with open(object_file(pages, tmp_path, 1), "r+b") as f:

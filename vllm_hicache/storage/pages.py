@@ -37,8 +37,9 @@ the backend returned but that does not verify (corrupt, forged, or written
 with another secret) is a miss, counted in ``invalid_objects`` and logged at
 most once a minute. ``read_by_layer`` (a backend with byte-range reads, a
 layer-major payload in clear) is the one read whose bytes reach the pool
-before their check: layer by layer into one staging buffer and the pool,
-the checks after the last layer on the staged bytes; its result is still
+before their check: layer by layer into the pool (page-major layouts: into
+the page itself; layer_first: through one staging buffer), the checks after
+the last layer on the bytes read; its result is still
 the verified prefix, and its caller fails whatever it copied beyond it
 (l3/same_step.py). The seconds spent opening objects are kept per calling
 thread (``take_check_seconds``), so the L3 reader can tell checking from
@@ -260,32 +261,47 @@ class PageStore:
         layer_bytes = size // layers
         try:
             n = ranged.num_opened
-            flat = self._staging(n * size)
-            objects = flat.reshape(n, size)
+            objects, staged = self._layered_targets(pages[:n])
             headers = self._kept("headers", n * HEADER_BYTES).reshape(n, HEADER_BYTES)
-            n = self._read_first_layer(ranged, keys, headers, objects[:, :layer_bytes])
+            n = self._read_first_layer(ranged, keys, headers,
+                                       [obj[:layer_bytes] for obj in objects])
             for lo, hi in layer_groups(layers, n * layer_bytes, READ_GROUP_BYTES):
                 begin, end = lo * layer_bytes, hi * layer_bytes
                 if lo:
                     n = next((i for i in range(n) if not ranged.read(
-                        i, HEADER_BYTES + begin, objects[i, begin:end])), n)
+                        i, HEADER_BYTES + begin, objects[i][begin:end])), n)
                 for layer in range(lo, hi):
                     at = layer * layer_bytes
-                    if n:
+                    if n and staged is not None:
                         self.pool.write_layer_payloads(
-                            layer, pages[:n], torch.from_numpy(objects[:n, at:at + layer_bytes]))
+                            layer, pages[:n], torch.from_numpy(staged[:n, at:at + layer_bytes]))
                     on_layer(layer, n)
         finally:
             ranged.close()
-        payloads = [objects[i] for i in range(n)]
+        payloads = objects[:n]
         good = self._open_objects(keys, keys, list(headers[:n]), payloads, payloads,
                                   [None] * n, n)
         if good < len(keys):
             logger.debug("L3 read by layer: %d of %d objects valid", good, len(keys))
         return good
 
+    def _layered_targets(self, pages: Sequence[int]) -> tuple[list[np.ndarray],
+                                                                np.ndarray | None]:
+        """Per page, the buffer a layered read lands in, and the staging rows
+        ``[pages, payload bytes]`` they are, if staged. Where the payload is
+        the page run (page-major layouts) it is the pool page itself: no copy,
+        and each group of layers is in the pool as soon as it is read. Else
+        rows of this thread's staging memory, copied into the pool layer by
+        layer (a layer_first payload is in canonical order, which need not be the
+        pool's)."""
+        if self._zero_copy:
+            return self._page_views(pages), None
+        size = self.payload_bytes
+        staged = self._staging(len(pages) * size).reshape(len(pages), size)
+        return [staged[i] for i in range(len(pages))], staged
+
     def _read_first_layer(self, ranged: RangedObjects, keys: list[str], headers: np.ndarray,
-                          first_layers: np.ndarray) -> int:
+                          first_layers: list[np.ndarray]) -> int:
         """Read the opened objects' headers and first layers (one request
         each); the leading ones read whose header is what this reader
         expects. A header that is not fails its object now, before any of
