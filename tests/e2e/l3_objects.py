@@ -1,5 +1,7 @@
-"""Negative controls for engine tests: rewrite objects of a file-backend L3
-store so that they still verify (resealed with the checksum codec, as an
+"""Engine tests' view of a file-backend L3 store: its objects, a bounded wait
+for backups to land there (``await_objects``: for engines in another
+process, which ``engine_utils.settle_backups`` cannot reach), and negative
+controls that rewrite objects so that they still verify (resealed with the checksum codec, as an
 instance without storage_secret writes them) but hold other KV. An engine
 that then hits them and still answers like recomputation did not use the
 KV it loaded. ``reflag`` keeps an object's KV but reseals it under the other
@@ -7,6 +9,7 @@ state flag (models with a state group: storage/pages.py)."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,6 +26,19 @@ def objects(root: str | Path) -> dict[str, Path]:
     not the start-up canaries, l3/canary.py)."""
     found = {p.name.removesuffix(".hckv"): p for p in Path(root).rglob("*.hckv")}
     return {k: p for k, p in found.items() if not is_canary_key(k)}
+
+
+def await_objects(root: str | Path, count: int, timeout_s: float = 120.0) -> int:
+    """Poll (every 50 ms, at most ``timeout_s``) until ``root`` holds at
+    least ``count`` block objects; how many it holds. A backup's objects are
+    published one by one and its acknowledgement follows the last, so a
+    caller then runs a short request: its steps carry the acknowledgements
+    back to the scheduler. AssertionError when they do not arrive in time."""
+    deadline = time.monotonic() + timeout_s
+    while (found := len(objects(root))) < count:
+        assert time.monotonic() < deadline, f"{found} of {count} L3 objects after {timeout_s} s"
+        time.sleep(0.05)
+    return found
 
 
 def shard_of(key: str) -> str:

@@ -26,11 +26,11 @@ pytestmark = pytest.mark.engine
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
-    import json, sys, time
+    import json, sys
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
-    from tests.e2e.l3_objects import swap_shards
+    from tests.e2e.l3_objects import await_objects, swap_shards
 
     PROMPTS = {"A": [3 + (i * 37) % 470 for i in range(150)],
                "B": [5 + (i * 53) % 460 for i in range(150)]}
@@ -51,9 +51,10 @@ SCRIPT = textwrap.dedent("""
                   skip_tokenizer_init=True, kv_transfer_config=ktc)
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         results = []
-        for step in steps:
-            if step == "flush":  # backups acknowledged (each rank's objects written)
-                time.sleep(1.0)
+        for i, step in enumerate(steps):
+            if step == "flush":  # backups acknowledged (each prompt's objects written)
+                written = set(steps[:i]) & PROMPTS.keys()
+                await_objects(l3, len(written) * 4 * 2)  # 4 full blocks, 2 head slices
                 llm.generate([TokensPrompt(prompt_token_ids=[7, 8])], sp, use_tqdm=False)
             elif step == "swap":
                 assert llm.reset_prefix_cache(reset_connector=True)

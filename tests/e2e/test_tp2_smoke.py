@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_tp2_l2_and_l3_hits(tiny_model_dir, tmp_path):
     script = textwrap.dedent(f"""
-        import time
+        from tests.e2e.l3_objects import await_objects
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
         from vllm.inputs import TokensPrompt
@@ -40,7 +40,7 @@ def test_tp2_l2_and_l3_hits(tiny_model_dir, tmp_path):
         cold = llm.generate([prompt], sp, use_tqdm=False)[0]
         assert llm.reset_prefix_cache()
         l2 = llm.generate([prompt], sp, use_tqdm=False)[0]
-        time.sleep(1.0)
+        await_objects({str(tmp_path / "l3")!r}, 4 * 2)  # 4 full blocks, one copy per rank
         llm.generate([TokensPrompt(prompt_token_ids=[7, 8])], sp, use_tqdm=False)  # acks
         assert llm.reset_prefix_cache(reset_connector=True)
         l3 = llm.generate([prompt], sp, use_tqdm=False)[0]
