@@ -135,18 +135,32 @@ def damage_page_objects(l3_dir: Path) -> int:
 def second_pass_from_damaged_l3(tiny_model_dir, tmp_path, monkeypatch,
                                 mem_layout: str) -> list[list[int]]:
     """The prompts once (stored to L3), L1 and L2 emptied, every page object
-    damaged, the prompts again with same-step admission: their answers."""
+    damaged, the prompts again with same-step admission: their answers. Each
+    hit of the second pass must be a layered read of the damaged objects (a
+    backup still in flight at the reset would keep its pages in L2, and the
+    hit would come from there, undamaged)."""
     monkeypatch.setattr(lookups_module, "LOOKUP_WAIT_PER_STEP_S", GENEROUS_S)
     monkeypatch.setattr(report_wait, "PREFETCH_REPORT_WAIT_S", GENEROUS_S)
+    layered: list[int] = []
+    real_by_layer = StorageIO._prefetch_by_layer
+
+    def by_layer(self, job, queue_s):
+        layered.append(len(job.pages))
+        return real_by_layer(self, job, queue_s)
+
+    monkeypatch.setattr(StorageIO, "_prefetch_by_layer", by_layer)
     extra = {**l3_extra(tmp_path / "l3"), "hicache_mem_layout": mem_layout}
     extra["hicache_storage_backend_extra_config"]["same_step_read_wait_ms"] = 1000
     llm = make_llm(tiny_model_dir, extra)
     try:
         prompts = prompts_with_shared_prefix()
         generate(llm, prompts)
+        settle_backups(llm)
         assert llm.reset_prefix_cache(reset_connector=True)
         assert damage_page_objects(tmp_path / "l3") > 0
+        assert layered == []
         outputs, _ = generate(llm, prompts)
+        assert len(layered) == len(prompts), layered
     finally:
         close(llm)
     return outputs
