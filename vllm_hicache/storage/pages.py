@@ -261,7 +261,12 @@ class PageStore:
         layer_bytes = size // layers
         try:
             n = ranged.num_opened
-            objects, staged = self._layered_targets(pages[:n])
+            # Page-major layouts: the pool pages themselves, each layer group in
+            # the pool as soon as it is read. layer_first: staging rows, copied
+            # into the pool layer by layer (its payload is in canonical order,
+            # which need not be the pool's).
+            objects, flat = self._read_targets(pages[:n])
+            staged = None if flat is None else flat.reshape(n, size)
             headers = self._kept("headers", n * HEADER_BYTES).reshape(n, HEADER_BYTES)
             n = self._read_first_layer(ranged, keys, headers,
                                        [obj[:layer_bytes] for obj in objects])
@@ -284,21 +289,6 @@ class PageStore:
         if good < len(keys):
             logger.debug("L3 read by layer: %d of %d objects valid", good, len(keys))
         return good
-
-    def _layered_targets(self, pages: Sequence[int]) -> tuple[list[np.ndarray],
-                                                                np.ndarray | None]:
-        """Per page, the buffer a layered read lands in, and the staging rows
-        ``[pages, payload bytes]`` they are, if staged. Where the payload is
-        the page run (page-major layouts) it is the pool page itself: no copy,
-        and each group of layers is in the pool as soon as it is read. Else
-        rows of this thread's staging memory, copied into the pool layer by
-        layer (a layer_first payload is in canonical order, which need not be the
-        pool's)."""
-        if self._zero_copy:
-            return self._page_views(pages), None
-        size = self.payload_bytes
-        staged = self._staging(len(pages) * size).reshape(len(pages), size)
-        return [staged[i] for i in range(len(pages))], staged
 
     def _read_first_layer(self, ranged: RangedObjects, keys: list[str], headers: np.ndarray,
                           first_layers: list[np.ndarray]) -> int:
