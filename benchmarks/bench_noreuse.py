@@ -138,8 +138,8 @@ class ThreadProfiles:
         self._inner = io_threads.enter_io_thread
 
     def __enter__(self) -> ThreadProfiles:
-        def enter() -> None:
-            self._inner()
+        def enter(background=None) -> None:
+            self._inner(background)
             prof = cProfile.Profile(time.thread_time)
             self.profiles.append(prof)
             prof.enable()
