@@ -14,9 +14,11 @@ hand-off on two cores, with nothing of vLLM's:
   file L3's puts of one request's objects (``--objects`` of ``--object-bytes``
   every ``--every-ms``) on a background pool thread (``DaemonPool`` with
   ``l3/worker_io.BACKUPS``: ten nice steps down), as the worker half runs
-  them. ``backups`` is the product's path, which yields the core after each
-  object (``io_threads.yield_core``); ``backups-no-yield`` the same with
-  that yield turned off.
+  them: ``backups`` is the product's path (one put of the batch);
+  ``backups-yielding`` puts the objects one at a time and yields the core
+  after each (``os.sched_yield``), a variant tried and reverted (see
+  docs/benchmarks.md: at ten nice steps down it starves the backups
+  themselves when the core is contended).
 
 Reported per case, median over ``--reps`` alternated runs of ``--seconds``:
 steps handed over (the two processes' throughput) and the engine's delay in
@@ -41,13 +43,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_hicache import io_threads  # noqa: E402
 from vllm_hicache.daemon_pool import DaemonPool  # noqa: E402
 from vllm_hicache.l3.worker_io import BACKUPS  # noqa: E402
 from vllm_hicache.storage import StorageContext, create_backend  # noqa: E402
 
 HEADER_BYTES = 64
-CASES = ("none", "backups", "backups-no-yield")
+CASES = ("none", "backups", "backups-yielding")
 
 
 def parse_args() -> argparse.Namespace:
@@ -103,12 +104,18 @@ def engine(core: int, schedule_s: float, posted, flag, stop, out) -> None:
 def backups(core: int | None, args: argparse.Namespace, store: str, yields: bool,
             stop) -> None:
     """One request's backup after another until ``stop`` (on ``core``, if
-    given). Not yielding patches ``io_threads`` for the rest of the process:
-    the benchmark runs this in a process of its own."""
+    given); ``yields``: one object per put, the core yielded after each."""
     if core is not None:
         os.sched_setaffinity(0, {core})
-    if not yields:
-        io_threads.yield_core = lambda: None
+
+    def one_by_one(keys: list[str], objects: list) -> list[bool]:
+        stored = []
+        for key, obj in zip(keys, objects):
+            stored += backend.put([key], [obj])
+            os.sched_yield()
+        return stored
+
+    write = one_by_one if yields else None
     backend = create_backend("file", {"path": store},
                              StorageContext("worker", 0, 1, HEADER_BYTES + args.object_bytes))
     pool = DaemonPool(1, "bench-l3w", BACKUPS)
@@ -117,7 +124,8 @@ def backups(core: int | None, args: argparse.Namespace, store: str, yields: bool
     try:
         while not stop.is_set():
             keys = [f"r{os.getpid()}x{request}x{i}" for i in range(args.objects)]
-            stored = pool.submit(backend.put, keys, objects * len(keys)).result(timeout=60)
+            stored = pool.submit(write or backend.put, keys, objects * len(keys)).result(
+                timeout=60)
             if not all(stored):
                 raise RuntimeError("a put failed")
             request += 1
@@ -139,7 +147,7 @@ def run(case: str, args: argparse.Namespace, parent: str) -> tuple[int, np.ndarr
     if case != "none":
         store = tempfile.mkdtemp(dir=parent)
         procs.append(mp.Process(target=backups, args=(engine_core, args, store,
-                                                      case == "backups", stop)))
+                                                      case == "backups-yielding", stop)))
     for p in procs:
         p.start()
     time.sleep(args.seconds)

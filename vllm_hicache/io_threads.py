@@ -27,16 +27,6 @@ at the engine's priority does its work, and no thread is ever started from
 it, since a new thread inherits its creator's nice value and an unprivileged
 process cannot give that back.
 
-A lower priority alone does not keep a background thread out of the engine's
-way. vLLM's engine core and worker wait for each other by spinning on
-``sched_yield``: they stay runnable, so the message they wait for wakes
-nobody, and a background thread that took the core during one of their
-yields keeps it until the scheduler's next tick (up to 4 ms at HZ=250),
-however low its priority. A step's turnaround then waits for a backup. So a
-background thread gives the core back after each object it writes
-(``yield_core``, from ``storage/batching.map_slices``): a spinning engine
-thread gets it within one object's work, tens of microseconds.
-
 ``enter_io_thread`` also gives the OS thread its Python name (``hicache-l3r-0``,
 cut to the kernel's 15 characters), as ``named_thread`` does for our other
 threads, so ``top -H``, ``ps -L`` and per-thread CPU accounting tell our
@@ -99,14 +89,6 @@ def enter_io_thread(background: Background | None = None) -> None:
 def current_background() -> Background | None:
     """The calling thread's ``Background`` (None: it runs at the process's priority)."""
     return getattr(_local, "background", None)
-
-
-def yield_core() -> None:
-    """Offer the core to any thread waiting for it, if the calling thread
-    runs in the background (a syscall of about a microsecond when nobody
-    waits); otherwise nothing: work somebody waits for keeps its core."""
-    if current_background() is not None:
-        os.sched_yield()
 
 
 def _lower_priority(nice: int) -> None:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_hicache import io_threads
-from vllm_hicache.daemon_pool import DaemonPool
-from vllm_hicache.io_threads import Background
 from vllm_hicache.storage.batching import batched, chunks, map_slices
 
 
@@ -56,33 +52,3 @@ def test_map_slices_propagates_exceptions():
 def test_batched():
     assert list(batched(iter(range(5)), 2)) == [[0, 1], [2, 3], [4]]
     assert list(batched([], 3)) == []
-
-
-
-def test_background_batches_yield_the_core_after_each_item(monkeypatch):
-    """A background thread gives its core back between the items of a batch
-    (io_threads.yield_core): an engine thread spinning on sched_yield would
-    otherwise wait for the scheduler's next tick. Work somebody waits for
-    (a pool at the process's priority, the caller's own thread) never yields."""
-    yields: list[str] = []
-    monkeypatch.setattr(io_threads.os, "sched_yield",
-                        lambda: yields.append(threading.current_thread().name))
-
-    def batch() -> list[int]:
-        return map_slices(lambda x: x + 1, range(5), 3, lambda: None)
-
-    background = DaemonPool(1, "test-bg", Background(nice=5, patience_s=0.3))
-    foreground = DaemonPool(1, "test-fg")
-    try:
-        assert background.submit(batch).result(timeout=10) == [1, 2, 3, 4, 5]
-        assert yields == ["test-bg-0"] * 5
-        yields.clear()
-        with ThreadPoolExecutor(2) as helpers:
-            def spread() -> list[int]:
-                return map_slices(lambda x: x + 1, range(5), 3, lambda: helpers)
-            assert foreground.submit(spread).result(timeout=10) == [1, 2, 3, 4, 5]
-            assert spread() == [1, 2, 3, 4, 5]
-        assert yields == []
-    finally:
-        background.shutdown()
-        foreground.shutdown()

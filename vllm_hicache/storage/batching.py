@@ -6,8 +6,7 @@
   one range and the caller decides what an oversized one means.
 - ``map_slices``: ``fn`` over the items on several threads, each thread one
   contiguous slice (the calling thread runs the first), results in order;
-  all on the calling thread when it runs in the background (io_threads.py),
-  which then yields its core after each item.
+  all on the calling thread when it runs in the background (io_threads.py).
 - ``batched``: fixed-size lists of an iterable (deletes in admin ``clear``).
 """
 
@@ -50,10 +49,9 @@ def map_slices(fn: Callable[[T], Any], items: Sequence[T], workers: int,
     """``[fn(x) for x in items]``, split into ``workers`` contiguous slices run
     at once (``executor()`` is asked only when there are several). An
     exception of ``fn`` propagates; ``executor()`` may raise to refuse. A
-    background thread (io_threads.py: a backup) runs every slice itself,
-    offering its core to the engine's threads after each item."""
+    background thread (io_threads.py: a backup) runs every slice itself."""
     if io_threads.current_background() is not None:
-        return _one_by_one(fn, items)
+        workers = 1
     workers = min(workers, len(items))
     if workers <= 1:
         return [fn(x) for x in items]
@@ -66,14 +64,6 @@ def map_slices(fn: Callable[[T], Any], items: Sequence[T], workers: int,
     futures = [pool.submit(run, w) for w in range(1, workers)]
     first = run(0)
     return first + [r for f in futures for r in f.result()]
-
-
-def _one_by_one(fn: Callable[[T], Any], items: Sequence[T]) -> list[Any]:
-    results = []
-    for item in items:
-        results.append(fn(item))
-        io_threads.yield_core()
-    return results
 
 
 def batched(iterable: Iterable[T], n: int) -> Iterator[list[T]]:
