@@ -6,6 +6,7 @@ the engine is no longer kept stepping for it."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from vllm_hicache.l3.breaker import BreakerState
 from vllm_hicache.policy.stop_budget import stop_budget
 from vllm_hicache.scheduler import graceful_stop
 from vllm_hicache.scheduler.graceful_stop import GracefulStop
+from vllm_hicache.scheduler.scheduler import STALLED_WORK_S
 
 
 class Clock:
@@ -221,5 +223,29 @@ def test_without_a_budget_a_stop_only_says_what_it_loses(tiny_model_dir, caplog)
         assert f"--shutdown-timeout 0: {in_flight + deferred} blocks queued for L3 are lost" \
             in text, text
         assert "writing" not in text
+    finally:
+        gate.set()
+
+
+def test_a_stalled_store_does_not_end_the_flush_time_early(tiny_model_dir, monkeypatch):
+    """Outside a stop, backups that made no progress for STALLED_WORK_S stop
+    keeping an idle engine stepping; during the flush time they keep it
+    stepping until the stop's own deadline (a slow store's open backups are
+    what the stop waits for)."""
+    h, store, stop, flag, clock, gate = stop_harness(tiny_model_dir, timeout_s=20)
+    half = h.sched_half
+    # Every queued block in an open backup, none left only in L2 (a stop's
+    # usual state once the backlog went out): only the backups keep it stepping.
+    monkeypatch.setattr(graceful_stop, "l2_only_blocks", lambda planner: 0)
+    try:
+        assert half.has_pending_work()  # open backups, no stop
+        flag[0] = True
+        h.step(complete_async=False)  # the stop's first step
+        assert stop.flushing and h.sched_half.l3.backups.open_backup_blocks() > 0
+        half._pending_since = time.monotonic() - STALLED_WORK_S - 1.0  # no progress since
+        half._pending_ops_seen = len(half.ops)
+        assert half.has_pending_work()  # the flush time, not the stall rule, decides
+        clock.now_s += stop.budget.flush_s + 0.01
+        assert not half.has_pending_work()  # and its deadline ends it
     finally:
         gate.set()

@@ -89,6 +89,12 @@ class GracefulStop:
     def stopping(self) -> bool:
         return self._stop is not None
 
+    @property
+    def flushing(self) -> bool:
+        """A stop was seen and its flush time is not up: the flush's own
+        deadline bounds the wait (the idle engine's stall rule does not)."""
+        return self._stop is not None and not self._stop.expired
+
     def poll(self, planner: L3Planner | None) -> None:
         """Notice a stop; once its flush time is up, drop what is still L2-only."""
         if self._stop is None:

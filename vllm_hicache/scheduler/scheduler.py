@@ -569,7 +569,9 @@ class HiCacheScheduler:
         prefetches): vLLM keeps stepping while this is True, so their acks
         and pins move on while no request runs. A store that makes no
         progress for ``STALLED_WORK_S`` stops keeping an idle engine busy
-        (its acks then ride on the next request's steps). Admin commands
+        (its acks then ride on the next request's steps), except during a
+        graceful stop's flush time, which has a deadline of its own: a slow
+        store's backups must not end the stop early. Admin commands
         (admin/storage_control.py) keep it stepping too, each bounded by its own deadlines.
         During a graceful stop, pages only L2 holds keep it stepping too, until
         the stop's flush time is up; after that nothing does (graceful_stop.py)."""
@@ -585,7 +587,8 @@ class HiCacheScheduler:
         if not pending or len(self.ops) != self._pending_ops_seen:
             self._pending_ops_seen = len(self.ops)
             self._pending_since = now
-        return pending and now - self._pending_since < STALLED_WORK_S
+        return pending and (self.graceful_stop.flushing
+                            or now - self._pending_since < STALLED_WORK_S)
 
     # --- metrics and events ------------------------------------------------
 
