@@ -77,7 +77,10 @@ TURN_TOKENS = 40
 STREAM_PROMPTS = [[9 + (i * (k + 5) * 23 + 13 * k) % 470 for i in range(3 * BLOCK + 5)]
                   for k in range(4)]
 VICTIM_PROMPT = [11 + (i * 19 + 7) % 470 for i in range(2 * BLOCK + 9)]
-VICTIM_MAX_TOKENS = 256  # long enough to be killed in the middle of it
+# Long enough to be killed in the middle of it: on a fast machine the tiny
+# model streamed all of 256 before the SIGKILL landed. The prompt (73 tokens)
+# and this stay within the servers' --max-model-len 512.
+VICTIM_MAX_TOKENS = 432
 MAX_STREAM_REQUESTS = 300
 ANSWERS_AFTER_RECLAIM = 4
 DP_SIZE = 2
