@@ -3,9 +3,8 @@ for backups to land there (``await_objects``: for engines in another
 process, which ``engine_utils.settle_backups`` cannot reach), and negative
 controls that rewrite objects so that they still verify (resealed with the
 checksum codec, as an instance without storage_secret writes them) but hold
-other KV. An engine
-that then hits them and still answers like recomputation did not use the
-KV it loaded. ``reflag`` keeps an object's KV but reseals it under the other
+other KV. An engine that then hits them and still answers like recomputation
+did not use the KV it loaded. ``reflag`` keeps an object's KV but reseals it under the other
 state flag (models with a state group: storage/pages.py)."""
 
 from __future__ import annotations
