@@ -6,7 +6,6 @@ the engine is no longer kept stepping for it."""
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
@@ -18,7 +17,7 @@ from vllm_hicache.l3.breaker import BreakerState
 from vllm_hicache.policy.stop_budget import stop_budget
 from vllm_hicache.scheduler import graceful_stop
 from vllm_hicache.scheduler.graceful_stop import GracefulStop
-from vllm_hicache.scheduler.scheduler import STALLED_WORK_S
+from vllm_hicache.scheduler.stall_watch import STALLED_WORK_S, StallWatch
 
 
 class Clock:
@@ -237,13 +236,16 @@ def test_a_stalled_store_does_not_end_the_flush_time_early(tiny_model_dir, monke
     # Every queued block in an open backup, none left only in L2 (a stop's
     # usual state once the backlog went out): only the backups keep it stepping.
     monkeypatch.setattr(graceful_stop, "l2_only_blocks", lambda planner: 0)
+    stall_clock = Clock()  # the stall rule's own, apart from the stop's
+    half.stall_watch = StallWatch(clock=stall_clock)
     try:
         assert half.has_pending_work()  # open backups, no stop
         flag[0] = True
         h.step(complete_async=False)  # the stop's first step
         assert stop.flushing and h.sched_half.l3.backups.open_backup_blocks() > 0
-        half._pending_since = time.monotonic() - STALLED_WORK_S - 1.0  # no progress since
-        half._pending_ops_seen = len(half.ops)
+        assert half.has_pending_work()
+        stall_clock.now_s += STALLED_WORK_S + 1.0  # no progress since
+        assert not half.stall_watch.keeps_stepping(True, len(half.ops))  # stalled
         assert half.has_pending_work()  # the flush time, not the stall rule, decides
         clock.now_s += stop.budget.flush_s + 0.01
         assert not half.has_pending_work()  # and its deadline ends it

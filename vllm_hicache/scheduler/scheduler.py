@@ -74,6 +74,7 @@ from vllm_hicache.scheduler.load_gate import LoadGate
 from vllm_hicache.scheduler.node_hits import NodeAdmission
 from vllm_hicache.scheduler.pd import loads_hits
 from vllm_hicache.scheduler.request_state import Lookup, ReqState, track_scheduled
+from vllm_hicache.scheduler.stall_watch import StallWatch
 from vllm_hicache.scheduler.store_planner import L2StorePlanner
 from vllm_hicache.scheduler.write_back import EvictionWriteBacks
 
@@ -87,9 +88,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# An idle engine keeps stepping for pending L3/async work at most this long
-# without any operation finishing.
-STALLED_WORK_S = 30.0
 # Steps that schedule nothing while requests wait on L3 or async loads
 # start at least this far apart: a loop that stepped back to back would spin
 # about a thousand empty steps per wait, on the cores the I/O threads need.
@@ -160,9 +158,8 @@ class HiCacheScheduler:
         self.failed_copies = FailedCopies(self.tree, self.ops, self.stats, self._reqs)
         # The step being scheduled; build_connector_meta ends it.
         self._step = 0
-        # has_pending_work: live-op count last seen, and since when.
-        self._pending_ops_seen = 0
-        self._pending_since = time.monotonic()
+        # has_pending_work: how long pending work went without progress.
+        self.stall_watch = StallWatch()
         self._last_empty_step = float("-inf")  # monotonic seconds (_space_empty_step)
         self._step_loads: list[LoadJob] = []
         self._step_async_loads: list[LoadJob] = []
@@ -568,7 +565,7 @@ class HiCacheScheduler:
         """Operations only the workers can finish (backups, async loads, L3
         prefetches): vLLM keeps stepping while this is True, so their acks
         and pins move on while no request runs. A store that makes no
-        progress for ``STALLED_WORK_S`` stops keeping an idle engine busy
+        progress for ``STALLED_WORK_S`` (stall_watch.py) stops keeping an idle engine busy
         (its acks then ride on the next request's steps), except during a
         graceful stop's flush time, which has a deadline of its own: a slow
         store's backups must not end the stop early. Admin commands
@@ -583,12 +580,8 @@ class HiCacheScheduler:
         if self.storage_control is not None and self.storage_control.has_work():
             return True
         pending = self._awaits_io()
-        now = time.monotonic()
-        if not pending or len(self.ops) != self._pending_ops_seen:
-            self._pending_ops_seen = len(self.ops)
-            self._pending_since = now
-        return pending and (self.graceful_stop.flushing
-                            or now - self._pending_since < STALLED_WORK_S)
+        progressing = self.stall_watch.keeps_stepping(pending, len(self.ops))
+        return pending and (self.graceful_stop.flushing or progressing)
 
     # --- metrics and events ------------------------------------------------
 
