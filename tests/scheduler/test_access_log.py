@@ -274,6 +274,25 @@ def test_bad_options_are_refused(key, value):
 # --- the log of a real scheduler, replayed -------------------------------------------
 
 
+def test_hits_the_load_gate_declined_are_recorded_apart_from_misses(log_path):
+    writer = AccessLogWriter(log_path, HEADER, 10**6, flush_s=NO_TIMER_S)
+    # L1 had block 0; L2 held blocks 1-3, and the gate chose to recompute them.
+    writer.admit(request("d", chain("d", 4), 4 * BS + 1), BS, 0, declined_tokens=3 * BS)
+    writer.admit(request("m", chain("m", 2), 2 * BS + 1), 0, 0)
+    writer.close()
+    declined, miss = read_log(log_path).records
+    assert (declined.l1_tokens, declined.l2_tokens, declined.l3_tokens) == (BS, 0, 0)
+    assert (declined.declined_tokens, declined.l3_stages_us, declined.l3_node_tokens) == (
+        3 * BS, None, 0)
+    assert miss.declined_tokens == 0
+    # Written after nil stages and zero node tokens; without it, ten items as before.
+    raw = msgpack.unpackb(encode_admit(5, 1, 2, BS, 0, 0, 0, 0, b"x" * HASH_BYTES,
+                                       None, 0, 2 * BS), raw=False)
+    assert raw[10:] == [None, 0, 2 * BS]
+    assert len(msgpack.unpackb(encode_admit(5, 1, 2, BS, 0, 0, 0, 0, b"x" * HASH_BYTES),
+                               raw=False)) == 10
+
+
 def _multiturn_on_harness(h, seed: int, num_convs: int = 10, num_batches: int = 14) -> None:
     """Conversations growing turn by turn, in batches of 1-4 (vLLM's real
     scheduler, chunked prefill, an L1 smaller than the working set)."""

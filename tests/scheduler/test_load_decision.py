@@ -17,6 +17,8 @@ from tests.l3.test_planner import (
 )
 from tests.scheduler.test_scheduler import assert_clean, prompt
 from vllm_hicache.common.stats import key
+from vllm_hicache.planner.log_format import Admit, read_logs
+from vllm_hicache.planner.report import CostModel, build_plan, format_report
 from vllm_hicache.policy.offload import BackupBacklog
 
 # A harness page is 16 KiB: at 256 KiB/s a 4-page prefetch takes 0.25 s,
@@ -100,8 +102,9 @@ def test_fast_l3_hit_is_loaded(tiny_model_dir):
     assert_clean(h)
 
 
-def test_slow_l2_hit_is_declined_and_recomputed(tiny_model_dir):
-    h = make_harness(tiny_model_dir)
+def test_slow_l2_hit_is_declined_and_recomputed(tiny_model_dir, tmp_path):
+    log_path = tmp_path / "access.log"
+    h = make_harness(tiny_model_dir, hicache_access_log=str(log_path))
     warm_prefill(h, 700)
     decider = h.sched_half.load_gate.decider
     tokens = prompt(710, 4 * BLOCK + 1)
@@ -126,6 +129,15 @@ def test_slow_l2_hit_is_declined_and_recomputed(tiny_model_dir):
     assert h.first_computed["c"] == 4 * BLOCK
     assert h.load_checks and all(h.load_checks)
     assert_clean(h)
+    # The access log tells the declined hit from a miss, and the planner says so.
+    h.sched_half.access_log.close()
+    log = read_logs([log_path])
+    admits = [r for r in log.records if isinstance(r, Admit)]
+    b, c = admits[-2:]
+    assert (b.l2_tokens, b.declined_tokens) == (0, 4 * BLOCK)
+    assert (c.l2_tokens, c.declined_tokens) == (4 * BLOCK, 0)
+    report = format_report(build_plan(log, CostModel(), l2_gb=[], l3_gb=[]), CostModel())
+    assert "declined by the server's load gate" in report
 
 
 def test_always_loads_a_slow_tier(tiny_model_dir):

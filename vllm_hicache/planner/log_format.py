@@ -12,7 +12,7 @@ object of the first frame is the header (a map, ``LogHeader``); then records,
 msgpack arrays whose first item is their kind:
 
     [0, t_ms, seq, step, prompt_tokens, l1_tokens, l2_tokens, l3_tokens, priority, chain,
-     l3_stages_us?, l3_node_tokens?]
+     l3_stages_us?, l3_node_tokens?, declined_tokens?]
         ADMIT: a request got its blocks in scheduler step ``step``; how many
         prompt tokens came from vLLM's own prefix cache (L1), from L2 and
         from L3 (its own prefetch). ``l3_stages_us``, written only with L3
@@ -23,6 +23,11 @@ msgpack arrays whose first item is their kind:
         ``l3_stages_us`` is written too, nil when absent): of the L3 tokens,
         those the request's lookup found in the node tier (the machine's
         shared host memory) rather than the remote store behind it.
+        ``declined_tokens``, written only when non-zero (the two fields before
+        it then written too, nil / 0 when absent): tokens after the hit that
+        L2 or the node tier held but the load gate (``hicache_load_decision``)
+        chose to recompute, so a replay that counts them as hits is not
+        wrong about the cache, only about the gate.
     [1, t_ms, seq, step, num_blocks_held, chain_ext]
         FINISH: the request ended before step ``step``, holding
         ``num_blocks_held`` L1 blocks; ``chain_ext`` are the blocks computed
@@ -134,6 +139,9 @@ class Admit(NamedTuple):
     l3_stages_us: dict[str, int] | None = None
     # Of l3_tokens, those found in the node tier (0: none, or an older log).
     l3_node_tokens: int = 0
+    # Held in L2 or the node tier, recomputed by the load gate's choice (0: none,
+    # or an older log).
+    declined_tokens: int = 0
 
 
 class Finish(NamedTuple):
@@ -178,12 +186,15 @@ def encode_header(header: LogHeader) -> bytes:
 
 def encode_admit(t_ms: int, seq: int, step: int, prompt_tokens: int, l1: int, l2: int,
                  l3: int, priority: int, chain: bytes,
-                 l3_stages_us: dict[str, int] | None = None, l3_node_tokens: int = 0) -> bytes:
+                 l3_stages_us: dict[str, int] | None = None, l3_node_tokens: int = 0,
+                 declined_tokens: int = 0) -> bytes:
     record = [ADMIT, t_ms, seq, step, prompt_tokens, l1, l2, l3, priority, chain]
-    if l3_stages_us or l3_node_tokens:
+    if l3_stages_us or l3_node_tokens or declined_tokens:
         record.append(l3_stages_us or None)
-    if l3_node_tokens:
+    if l3_node_tokens or declined_tokens:
         record.append(l3_node_tokens)
+    if declined_tokens:
+        record.append(declined_tokens)
     return _packb(record)
 
 
@@ -285,8 +296,10 @@ def _record(obj: object, hash_bytes: int) -> Record | None:
     kind = obj[0]
     if kind == ADMIT and len(obj) >= 10:
         stages = obj[10] if len(obj) > 10 and isinstance(obj[10], dict) else None
-        node = obj[11] if len(obj) > 11 and isinstance(obj[11], int) else 0
-        return Admit._make((*obj[1:9], _split_chain(obj[9], hash_bytes), stages, node))
+        node, declined = (obj[i] if len(obj) > i and isinstance(obj[i], int) else 0
+                          for i in (11, 12))
+        return Admit._make((*obj[1:9], _split_chain(obj[9], hash_bytes), stages, node,
+                            declined))
     if kind == FINISH and len(obj) >= 6:
         return Finish._make((*obj[1:5], _split_chain(obj[5], hash_bytes)))
     if kind == DROPS and len(obj) >= 3:

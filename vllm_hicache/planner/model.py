@@ -80,6 +80,9 @@ class ReplayResult:
     stored_pages: int = 0
     l3_written: int = 0
     l3_peak_objects: int = 0
+    # Measured only: tokens HiCache held that the server's load gate chose to
+    # recompute. The replay has no gate: it counts them as hits.
+    declined_tokens: int = 0
     # (L1, L2, L3) hit tokens of each admission.
     per_request: list[tuple[int, int, int]] = field(default_factory=list)
 

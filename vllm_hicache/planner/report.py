@@ -131,6 +131,7 @@ def measured(log: AccessLog) -> ReplayResult:
             res.l1_tokens += rec.l1_tokens
             res.l2_tokens += rec.l2_tokens
             res.l3_tokens += rec.l3_tokens
+            res.declined_tokens += rec.declined_tokens
             res.per_request.append((rec.l1_tokens, rec.l2_tokens, rec.l3_tokens))
     return res
 
@@ -291,7 +292,18 @@ def _head_lines(plan: Plan) -> list[str]:
         f"served: L2 {_gb(served_l2)} GB, L3 {l3}",
         f"  measured by the server: {_tiers(plan.measured)}",
         f"  replay of those sizes:  {_tiers(plan.served.result)}  ({delta:+.1f} points)",
+        *_declined_lines(plan.measured),
     ]
+
+
+def _declined_lines(measured: ReplayResult) -> list[str]:
+    """What the server's load gate recomputed though HiCache held it: part
+    of any gap between the replay (which has no gate) and the measurement."""
+    if not measured.declined_tokens:
+        return []
+    return [f"  declined by the server's load gate (held, recomputed): "
+            f"{100 * measured.rate(measured.declined_tokens):.1f}% of prompt tokens, "
+            f"counted as hits by the replay"]
 
 
 def _table_lines(plan: Plan) -> list[str]:

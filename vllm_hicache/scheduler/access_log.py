@@ -112,7 +112,8 @@ class NullAccessLog:
 
     def admit(self, request: Request, l1_tokens: int, hit_tokens: int,
               l3: L3Planner | None = None, step: int = 0,
-              l3_stages: dict[str, float] | None = None, direct_node_tokens: int = 0) -> None:
+              l3_stages: dict[str, float] | None = None, direct_node_tokens: int = 0,
+              declined_tokens: int = 0) -> None:
         pass
 
     def finish(self, request: Request, num_blocks_held: int, step: int = 0) -> None:
@@ -166,13 +167,16 @@ class AccessLogWriter(NullAccessLog):
     @_never_raises
     def admit(self, request: Request, l1_tokens: int, hit_tokens: int,
               l3: L3Planner | None = None, step: int = 0,
-              l3_stages: dict[str, float] | None = None, direct_node_tokens: int = 0) -> None:
+              l3_stages: dict[str, float] | None = None, direct_node_tokens: int = 0,
+              declined_tokens: int = 0) -> None:
         """A request got its blocks in scheduler step ``step``: ``l1_tokens``
         from vLLM's cache, then ``hit_tokens`` from HiCache; ``l3`` (the
         L3Planner) says which of those its own prefetch brought in, and
         ``l3_stages`` where its wait for them went (seconds per stage,
         l3/hit_stages.py); ``direct_node_tokens`` of them are loaded from the
-        node tier straight into L1 (scheduler/node_hits.py: no prefetch)."""
+        node tier straight into L1 (scheduler/node_hits.py: no prefetch);
+        ``declined_tokens`` after them HiCache held but the load gate chose
+        to recompute (scheduler/load_gate.py)."""
         req_id = request.request_id
         hashes = request.block_hashes
         seq = self._seq_of(request)
@@ -193,7 +197,7 @@ class AccessLogWriter(NullAccessLog):
                      if l3_stages and l3_tokens else None)
         self._put((ADMIT, self._now_ms(), seq, step, request.num_tokens, l1_tokens,
                    hit_tokens - l3_tokens, l3_tokens, request.priority, hashes, len(hashes),
-                   stages_us, node_tokens))
+                   stages_us, node_tokens, declined_tokens))
 
     @_never_raises
     def finish(self, request: Request, num_blocks_held: int, step: int = 0) -> None:
@@ -334,9 +338,10 @@ def _encode(item: tuple) -> bytes:
     if item[0] == ARRIVE:
         return encode_arrive(*item[1:])
     if item[0] == ADMIT:
-        _, t_ms, seq, step, tokens, l1, l2, l3, priority, hashes, n, stages_us, node = item
+        (_, t_ms, seq, step, tokens, l1, l2, l3, priority, hashes, n, stages_us, node,
+         declined) = item
         return encode_admit(t_ms, seq, step, tokens, l1, l2, l3, priority,
-                            pack_chain(hashes[:n]), stages_us, node)
+                            pack_chain(hashes[:n]), stages_us, node, declined)
     _, t_ms, seq, step, held, hashes, lo, hi = item
     return encode_finish(t_ms, seq, step, held, pack_chain(hashes[lo:hi]))
 

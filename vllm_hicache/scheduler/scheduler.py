@@ -381,7 +381,8 @@ class HiCacheScheduler:
             state.num_planned = max(state.num_planned, end)
         stages = hit_tiers.l3_hit_stages(self.l3, req_id, start, end)
         self.access_log.admit(request, local, num_external_tokens, self.l3, self._step,
-                              stages, num_external_tokens if looked_up.node_blocks else 0)
+                              stages, num_external_tokens if looked_up.node_blocks else 0,
+                              declined * self.block_size)
         if num_blocks == 0:
             return
         if looked_up.node_blocks:
