@@ -129,23 +129,59 @@ def test_a_job_the_background_threads_do_not_take_is_rescued_after_its_patience(
     assert waited_s >= BG.patience_s - 0.01  # not before its patience
 
 
-def test_hurry_ends_the_patience_and_jobs_start_in_order():
-    pool = DaemonPool(1, "test-bg", Background(nice=5, patience_s=60.0))
-    gate, held = threading.Event(), threading.Event()
-    order: list[int] = []
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_hurry_runs_every_queued_job_at_the_callers_priority_at_once():
+    """A stop's flush: jobs the background threads would run niced, or the
+    rescuer only after its (here endless) patience, run at once on new
+    threads at the caller's priority; the background thread retires after
+    its running job; a second hurry adds nothing."""
+    base = thread_nice()
+    pool = DaemonPool(2, "test-bg", Background(nice=5, patience_s=60.0))
+    gates = [threading.Event() for _ in range(2)]
+    held = [threading.Event() for _ in range(2)]
     try:
-        pool.submit(lambda: (held.set(), gate.wait(10)))
-        assert held.wait(10)
-        futures = [pool.submit(order.append, i) for i in range(3)]
+        running = [pool.submit(lambda i=i: (held[i].set(), gates[i].wait(10), who()))
+                   for i in range(2)]
+        assert all(h.wait(10) for h in held)
+        futures = [pool.submit(who) for _ in range(4)]
         time.sleep(0.2)
-        assert order == []  # patient: the rescuer has not taken them
+        assert not any(f.done() for f in futures)  # patient: nobody took them
         pool.hurry()
-        for future in futures:
-            future.result(timeout=10)
+        pool.hurry()
+        ran = [f.result(timeout=10) for f in futures]
+        gates[0].set()
+        name, nice, _ = running[0].result(timeout=10)[2]
+        assert nice == min(19, base + 5)  # a running job finishes where it is
+        # ... and its thread retires instead of taking another job.
+        for freed in [t for t in threading.enumerate() if t.name == name]:  # if not gone yet
+            freed.join(timeout=10)
+            assert not freed.is_alive()
+        assert all(pool.submit(who).result(timeout=10)[2] is None for _ in range(3))
+        foreground = [t for t in threading.enumerate() if t.name.startswith("test-bg-h")]
     finally:
-        gate.set()
+        for gate in gates:
+            gate.set()
         pool.shutdown()
-    assert order == [0, 1, 2]
+    assert all(nice == base and background is None for _, nice, background in ran)
+    assert {name for name, _, _ in ran} <= {"test-bg-h0", "test-bg-h1", "test-bg-rescue"}
+    assert sorted(t.name for t in foreground) == ["test-bg-h0", "test-bg-h1"]
+    assert pool.hurried
+
+
+def test_hurry_is_refused_on_a_background_thread_and_a_no_op_elsewhere():
+    pool = DaemonPool(1, "test-bg", BG)
+    try:
+        with pytest.raises(RuntimeError, match="background thread"):
+            pool.submit(pool.hurry).result(timeout=10)
+        assert not pool.hurried
+    finally:
+        pool.shutdown()
+    plain = DaemonPool(1, "test-plain")
+    plain.hurry()  # no background: nothing to hurry
+    assert not plain.hurried and plain.submit(lambda: 3).result(timeout=10) == 3
+    plain.shutdown()
+    pool.hurry()  # shut down: nothing
+    assert not pool.hurried
 
 
 def test_a_background_pool_drains_what_is_queued_at_shutdown_unless_cancelled():

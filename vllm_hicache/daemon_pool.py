@@ -14,8 +14,14 @@ engine's own threads go first, plus one *rescuer* thread at the process's
 priority that takes any job still queued ``patience_s`` after it was
 submitted: a busy core delays a backup's start by that much at most, never
 indefinitely (a backup that waits is an L3 miss once L2 evicts its pages).
-``hurry`` ends the patience (a shutdown draining its backups). Jobs start in
-submission order whichever thread takes them.
+
+``hurry`` ends the background for good: when the work is what the engine
+waits for after all (a graceful stop's flush time, a shutdown's drain), as
+many threads again start at the caller's priority and take every queued job
+at once, and the background threads retire after the job each is running.
+They are new threads because a thread's nice value cannot be raised again
+without CAP_SYS_NICE. Jobs start in submission order whichever thread takes
+them.
 """
 
 from __future__ import annotations
@@ -43,10 +49,13 @@ class DaemonPool:
                  background: Background | None = None) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self._name = name
+        self._num_threads = num_threads
         self._background = background
         self._jobs: deque[_Job] = deque()
         self._closed = False
-        self._hurry = False
+        self._hurry = False      # no patience: shut down, or hurried
+        self._hurried = False    # foreground threads took over (hurry)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._threads = [
@@ -74,16 +83,34 @@ class DaemonPool:
                 self._changed.notify()
         return future
 
+    @property
+    def hurried(self) -> bool:
+        return self._hurried
+
     def hurry(self) -> None:
-        """From now on the rescuer takes queued jobs at once."""
+        """From now on every job runs at the caller's priority (module doc).
+        Call it from a thread at the process's priority: the new threads
+        inherit the caller's nice value. Later calls, and calls on a pool
+        that is not a background pool or is shut down, do nothing."""
+        if io_threads.current_background() is not None:
+            raise RuntimeError("DaemonPool.hurry from a background thread: its threads "
+                               "would inherit the lowered priority")
         with self._lock:
-            self._hurry = True
+            if self._background is None or self._hurried or self._closed:
+                return
+            self._hurry = self._hurried = True
+            threads = [threading.Thread(target=self._run, args=(None,),
+                                        name=f"{self._name}-h{i}", daemon=True)
+                       for i in range(self._num_threads)]
+            self._threads += threads
             self._changed.notify_all()
+            for thread in threads:  # under the lock: shutdown joins started threads only
+                thread.start()
 
     def _run(self, background: Background | None, patience_s: float | None = None) -> None:
         io_threads.enter_io_thread(background)
         while True:
-            job = self._take(patience_s)
+            job = self._take(background, patience_s)
             if job is None:
                 return
             if not job.future.set_running_or_notify_cancel():
@@ -93,11 +120,14 @@ class DaemonPool:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 job.future.set_exception(exc)
 
-    def _take(self, patience_s: float | None) -> _Job | None:
-        """The next job, in order (None: closed and nothing left). With
-        ``patience_s`` (the rescuer): only once it has waited that long."""
+    def _take(self, background: Background | None, patience_s: float | None) -> _Job | None:
+        """The next job, in order (None: closed and nothing left, or a
+        background thread of a hurried pool). With ``patience_s`` (the
+        rescuer): only once it has waited that long."""
         with self._lock:
             while True:
+                if background is not None and self._hurried:
+                    return None
                 if self._jobs:
                     if patience_s is None or self._hurry:
                         return self._jobs.popleft()

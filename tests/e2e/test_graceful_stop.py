@@ -118,17 +118,53 @@ class Stream(threading.Thread):
                 return
 
 
-def _sigterm_api_server(server: Server, timeout_s: float) -> float:
-    """SIGTERM the API server process alone; seconds until it exited."""
+def _thread_ticks() -> dict[tuple[int, int], tuple[str, int, int, int]]:
+    """Every thread on the machine: (pid, tid) -> (name, nice, last CPU,
+    user + system clock ticks so far), from /proc."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/task/[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        # Fields 14, 15 (utime, stime), 19 (nice), 39 (processor) of proc(5).
+        out[(int(stat.parts[2]), int(stat.parts[4]))] = (
+            name, int(fields[16]), int(fields[36]), int(fields[11]) + int(fields[12]))
+    return out
+
+
+def _busiest_threads(first: dict, last: dict, seconds: float, top: int = 15) -> str:
+    """The threads that used the most CPU between two ``_thread_ticks``."""
+    hz = os.sysconf("SC_CLK_TCK")
+    used = sorted(((ticks - first.get(k, (0, 0, 0, 0))[3], k, name, nice, cpu)
+                   for k, (name, nice, cpu, ticks) in last.items()), reverse=True)
+    lines = [f"CPU per thread over the {seconds:.1f} s of the stop (pid/tid name nice cpu %):"]
+    lines += [f"  {pid}/{tid} {name} nice={nice} cpu={cpu} {100 * d / hz / seconds:.0f}%"
+              for d, (pid, tid), name, nice, cpu in used[:top] if d > 0]
+    return "\n".join(lines)
+
+
+def _sigterm_api_server(server: Server, timeout_s: float) -> tuple[float, str]:
+    """SIGTERM the API server process alone: seconds until it exited, and
+    which threads on the machine used the CPU meanwhile (for a failure's
+    message: the stop's backups compete for it)."""
     assert server.proc is not None
-    start = time.monotonic()
+    start, first = time.monotonic(), _thread_ticks()
     os.kill(server.proc.pid, signal.SIGTERM)
+    last = first
     try:
-        server.proc.wait(timeout=timeout_s)
+        while server.proc.poll() is None:  # sampled to the end: its threads exit with it
+            if time.monotonic() - start > timeout_s:
+                raise subprocess.TimeoutExpired(str(server.proc.args), timeout_s)
+            last = {**last, **_thread_ticks()}
+            time.sleep(0.5)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{server.name} still running {timeout_s:.0f} s after SIGTERM:\n"
                     f"{server.log_tail()}")
-    return time.monotonic() - start
+    stop_s = time.monotonic() - start
+    return stop_s, _busiest_threads(first, last, stop_s)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +197,7 @@ def _restarts(tiny_model_dir: Path, tmp: Path, l3_dir: Path) -> dict:
         b.wait_ready(START_TIMEOUT_S)
         stream.start()
         out["a_answers"] = [a.complete(p) for p in A_PROMPTS]
-        out["a_stop_s"] = _sigterm_api_server(a, SHUTDOWN_TIMEOUT_S + 15)
+        out["a_stop_s"], out["a_stop_cpu"] = _sigterm_api_server(a, SHUTDOWN_TIMEOUT_S + 15)
         out["a_log"] = a.log()
         again.start()
         again.wait_ready(START_TIMEOUT_S)
@@ -204,7 +240,9 @@ def test_a_stop_writes_the_queued_backups_and_counts_them(restarts):
     # The slow store had a backlog when the signal came, and all of it went out.
     assert stop.queued > 0, restarts["a_log"][-4000:]
     assert (stop.written, stop.dropped, stop.still_open) == (stop.queued, 0, 0), \
-        restarts["a_log"][-4000:]
+        restarts["a_log"][-4000:] + "\n" + restarts["a_stop_cpu"]
+    # ... at the engine's priority from the stop's first step (daemon_pool.py hurry).
+    assert "backups now run at the engine's CPU priority" in restarts["a_log"]
     # HiCache's part of the stop stayed within vLLM's budget. The process as a
     # whole exits later by vLLM's own teardown (engine core, API server), which
     # on 2 busy cores took up to 7 s more in CI; the fixture bounds it at 15 s.

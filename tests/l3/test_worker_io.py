@@ -196,21 +196,30 @@ def test_backups_run_in_the_background_and_reads_at_the_engine_s_priority(store,
     assert seen == {"put": min(19, base + 10), "get": base}
 
 
-def test_a_backup_no_background_thread_starts_is_rescued_and_counted(store, monkeypatch):
-    """The background threads held (a busy core, in effect): the next
-    backup still starts, at the process's priority, once its patience is
-    over, and the rescue is counted (l3_backups_rescued)."""
-    monkeypatch.setattr(l3_worker, "BACKUPS", Background(nice=10, patience_s=0.2))
+def hold_first_put(store, priorities: list[int]) -> tuple[threading.Event, threading.Event]:
+    """The store's first put blocks (bounded) until the returned ``gate`` is
+    set; ``held`` is set once it blocks. Each put's thread nice value goes to
+    ``priorities``."""
     gate, held = threading.Event(), threading.Event()
     put = store.backend.put
 
     def first_put_blocks(keys, sources):
+        priorities.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         if not held.is_set():
             held.set()
             gate.wait(GATE_TIMEOUT_S)
         return put(keys, sources)
 
     store.backend.put = first_put_blocks
+    return gate, held
+
+
+def test_a_backup_no_background_thread_starts_is_rescued_and_counted(store, monkeypatch):
+    """The background threads held (a busy core, in effect): the next
+    backup still starts, at the process's priority, once its patience is
+    over, and the rescue is counted (l3_backups_rescued)."""
+    monkeypatch.setattr(l3_worker, "BACKUPS", Background(nice=10, patience_s=0.2))
+    gate, held = hold_first_put(store, [])
     io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
     try:
         io.submit_backup(backup(1, 2))  # holds the one background thread
@@ -221,6 +230,31 @@ def test_a_backup_no_background_thread_starts_is_rescued_and_counted(store, monk
     finally:
         gate.set()
         io.shutdown()
+
+
+def test_a_stop_hurries_the_backups_to_the_engine_s_priority(store, monkeypatch):
+    """A graceful stop's flush (hurry_backups): a backup the one background
+    thread would have run after the one it holds, and the rescuer only
+    after its (here endless) patience, starts at once at the process's
+    priority, and it is no rescue (not counted)."""
+    monkeypatch.setattr(l3_worker, "BACKUPS", Background(nice=10, patience_s=60.0))
+    priorities: list[int] = []
+    gate, held = hold_first_put(store, priorities)
+    io = StorageIO(store, worker_id=0, writes=True, num_threads=1)
+    try:
+        io.submit_backup(backup(1, 2))  # holds the one background thread
+        assert held.wait(GATE_TIMEOUT_S)
+        io.submit_backup(backup(2, 3))
+        io.hurry_backups()
+        io.hurry_backups()  # every step of the flush says so: once is enough
+        _wait_for(lambda: 2 in io.poll()[1])
+        assert not gate.is_set()
+        assert key("l3_backups_rescued") not in io.counters.take()
+    finally:
+        gate.set()
+        io.shutdown()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert priorities == [min(19, base + 10), base]
 
 
 def test_running_prefetch_stops_at_next_batch(store, monkeypatch):

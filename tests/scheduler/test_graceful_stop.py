@@ -63,12 +63,16 @@ def test_a_stop_writes_the_backlog_out_and_says_so(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(graceful_stop, "pick_l2_only", counting_pick)
     h, store, stop, flag, clock, gate = stop_harness(tiny_model_dir)
     assert stop.final_line(h.sched_half.l3) is None  # no stop yet
+    write_pool = h.worker.worker._io._write_pool
+    assert not write_pool.hurried  # backups in the background while serving
     in_flight, deferred = queued(h)
     flag[0] = True
     gate.set()
     run_idle(h)  # vLLM's drain: it steps while the connector has work
     planner = h.sched_half.l3
     assert stop.stopping
+    # The flush's steps told the worker: its backups left the background.
+    assert write_pool.hurried
     assert planner.backups.backlog.num_blocks == 0 and planner.backups.open_backup_blocks() == 0
     # The deferred blocks went out through the stop's pick.
     assert sum(picked) == deferred
@@ -149,6 +153,7 @@ def test_without_a_stop_nothing_changes(tiny_model_dir):
     run_idle(h)  # as before: the backlog is caught up while idle
     assert not stop.stopping and stop.final_line(h.sched_half.l3) is None
     assert num_pages_stored(store) == in_flight + deferred
+    assert not h.worker.worker._io._write_pool.hurried
 
 
 def test_the_last_line_is_logged_at_shutdown(tiny_model_dir, caplog):

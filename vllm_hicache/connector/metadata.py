@@ -17,6 +17,8 @@ step N+1's start (stores of step N before loads of step N+1):
 
 ``prefetch_wait_s``: how long each worker may wait, before its report, for
 its open prefetches to finish (l3/report_wait.py); 0: not at all.
+``stop_flush``: a graceful stop's flush time is running: the workers' backups
+leave the background (scheduler/graceful_stop.py, l3/worker_io.py).
 
 Everything here must pickle: it crosses from EngineCore to the workers. The
 jobs inside are ``common/jobs.py``'s, which the workers execute as they are.
@@ -60,13 +62,7 @@ class HiCacheMetadata(KVConnectorMetadata):
     # L3 hits admitted in the step their read is sent: L1 copies that wait
     # (bounded) for this step's prefetch reads (l3/same_step.py).
     same_step_loads: list[SameStepLoad] = field(default_factory=list)
-
-    def is_empty(self) -> bool:
-        return not (
-            self.evict_stores or self.loads or self.async_loads or self.stores
-            or self.prefetches or self.backups or self.storage_command or self.node_loads
-            or self.same_step_loads
-        )
+    stop_flush: bool = False
 
 
 @dataclass

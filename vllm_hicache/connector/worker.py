@@ -324,6 +324,8 @@ class HiCacheWorker:
         self._finish_streamed()  # pages copied unverified: checked before any store
         self._finish_node_loads()
         self._path().after_forward(meta.stores)
+        if meta.stop_flush:
+            self._rank_l3.hurry_backups()
         if meta.backups:
             ready = self._path().ready_event()
             for job in meta.backups:

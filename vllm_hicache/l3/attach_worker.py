@@ -208,6 +208,16 @@ class RankL3:
             return 0
         return io.wait_layer(op_id, layer, num_pages, timeout_s)
 
+    def hurry_backups(self) -> None:
+        """A graceful stop: the backups of the serving and the retiring
+        clients run at the engine's priority (StorageIO.hurry_backups).
+        Called every step of the stop's flush time, so a client that starts
+        serving meanwhile is hurried too."""
+        for retiring in self._retiring.values():
+            retiring.io.hurry_backups()
+        if self.io is not None:
+            self.io.hurry_backups()
+
     def wait_prefetches(self, timeout_s: float) -> None:
         """Give the serving client's open prefetches up to ``timeout_s`` to
         end (l3/report_wait.py); a retiring client reads nothing new."""

@@ -20,7 +20,9 @@ slow store's writes (every thread busy in a put) must never queue a read
 behind them. With one shared FIFO they did: under ``wait_complete`` a server
 then served at the store's write pace. For the same reason backups run in
 the background (``BACKUPS``): below the engine's CPU priority, each started
-within ``patience_s`` of its submission even on a busy core.
+within ``patience_s`` of its submission even on a busy core. A graceful stop
+ends that (``hurry_backups``): in its flush time the backups are what the
+engine waits for, and what they do not write by its end is lost.
 
 Shutdown: a queued backup is the only way its pages reach L3 (writes are not
 retried), so shutdown lets queued and running backups finish, bounded by
@@ -324,7 +326,8 @@ class StorageIO:
             self._read_changed.notify_all()
 
     def _backup(self, job: BackupJob, ready) -> None:
-        if io_threads.current_background() is None:  # the rescuer's (or a draining shutdown's)
+        # The rescuer's; not a stop's (hurried: every backup runs in the foreground).
+        if io_threads.current_background() is None and not self._write_pool.hurried:
             self.counters.add(key("l3_backups_rescued"))
         if ready is not None:
             ready.synchronize()
@@ -394,6 +397,13 @@ class StorageIO:
                     self._layer_pages.pop(op_id, None)
             backups, self._backups_done = self._backups_done, set()
         return progress, backups
+
+    def hurry_backups(self) -> None:
+        """Backups run at the engine's priority from now on (a graceful
+        stop's flush time; the worker's main thread calls it)."""
+        if not self._write_pool.hurried:
+            self._write_pool.hurry()
+            logger.info("HiCache L3: stopping: backups now run at the engine's CPU priority")
 
     def shutdown(self) -> None:
         self._stopping.set()

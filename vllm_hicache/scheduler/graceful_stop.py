@@ -11,7 +11,8 @@ every step and from ``has_pending_work``; from the first poll that sees it:
   the in-flight bound goes to ``pick_l2_only``, most valuable first; under
   write-back, the first step also copies what only L1 holds to L2 (the
   watcher's tracked blocks, shallow ones first), from where it is backed up
-  like any store;
+  like any store; and the workers' backups leave the background
+  (``HiCacheMetadata.stop_flush``): they are what the engine waits for now;
 - when that time is up, what is still L2-only is dropped and counted, and
   the engine is no longer kept stepping (vLLM's teardown follows: the
   workers finish the writes still open within ``budget.drain_s``);

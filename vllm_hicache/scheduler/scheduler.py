@@ -475,6 +475,7 @@ class HiCacheScheduler:
                                                 self.graceful_stop.pick(self.l3))
             meta.prefetches = self.l3.plan_prefetches()
             meta.prefetch_wait_s = self.l3.report_wait_s()
+            meta.stop_flush = self.graceful_stop.flushing
         # Also a replaced backend's last backups; paused while the breaker is not closed.
         if self.storage_control is not None and (self.l3 is None or self.l3.usable):
             meta.backups += self.storage_control.plan_backfill(self._step)
