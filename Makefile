@@ -118,6 +118,7 @@ bench: $(STAMP) $(MODEL)/.complete $(DEMO_MODEL)/.complete bench-micro
 	$(PY) benchmarks/bench_l3_file.py
 	$(PY) benchmarks/bench_l3_seal.py
 	$(PY) benchmarks/bench_l3_read_layouts.py
+	$(PY) benchmarks/bench_read_beside_forward.py
 	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_redis.py
 	scripts/in_private_net.sh $(PY) benchmarks/bench_l3_mooncake.py
 	$(PY) benchmarks/bench_l3_nixl.py
