@@ -7,16 +7,9 @@ from collections.abc import Sequence
 
 import pytest
 
+from tests.fake_clock import FakeClock
 from vllm_hicache.index import HiRadixTree
 from vllm_hicache.policy import make_eviction_policy
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class TreeKit:
@@ -33,7 +26,7 @@ class TreeKit:
         return hashes
 
     def __init__(self, num_pages: int = 16, policy: str = "lru") -> None:
-        self.clock = FakeClock()
+        self.clock = FakeClock(0.0)
         self.evicted: list[bytes] = []
         self.tree = HiRadixTree(
             num_pages, make_eviction_policy(policy), self.clock, on_evict=self.evicted.extend

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from tests.connector.mem_backend import MemBackend
+from tests.fake_clock import FakeClock
 from vllm_hicache.keys import KeyNamespace
 from vllm_hicache.l3.breaker import BreakerConfig, BreakerState
 from vllm_hicache.l3.canary import canary_hash, is_canary_key
@@ -87,16 +88,8 @@ def test_a_check_writes_only_what_is_missing_or_changed():
     assert check() == "" and len(puts) == 3
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_monitor_trips_on_failing_checks_and_resumes_with_one_log_line_each(caplog):
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     failing = threading.Event()
     failing.set()
     health = L3Health(BreakerConfig(2.0, 0.5, 1.0), lambda: "write refused" if failing.is_set()
@@ -155,7 +148,7 @@ def test_a_check_that_raises_anything_is_a_failed_check():
     def check() -> str:
         raise Boom("out of the blue")
 
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     health = L3Health(BreakerConfig(0.0, 0.5, 1.0), check, "mem", clock=clock, autostart=False)
     try:
         clock.now += 1.0
@@ -171,7 +164,7 @@ def test_a_round_after_close_starts_no_check_and_logs_nothing(caplog):
     """The monitor may wake for one more round while the engine closes the
     breaker: that round must not submit to the closed pool (it used to log
     ``monitor step failed`` with a traceback at every shutdown)."""
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     checks: list[int] = []
     health = L3Health(BreakerConfig(2.0, 0.5, 1.0), lambda: checks.append(1) or "", "mem",
                       clock=clock, autostart=False)

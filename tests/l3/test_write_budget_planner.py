@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import make_config
 from tests.connector.mem_backend import MemBackend
+from tests.fake_clock import FakeClock
 from vllm_hicache.common.page_ops import PageOps, PinnedRange
 from vllm_hicache.common.stats import key, planner_samples
 from vllm_hicache.index import HiRadixTree
@@ -22,21 +23,14 @@ A = tuple(bytes([1, i]) * 16 for i in range(4))
 B = tuple(bytes([2, i]) * 16 for i in range(4))
 
 
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def planner_with(block_bytes=BLOCK_BYTES, **budget) -> tuple[L3Planner, HiRadixTree, Clock]:
+def planner_with(block_bytes=BLOCK_BYTES, **budget) -> tuple[L3Planner, HiRadixTree, FakeClock]:
     storage = make_config(hicache_storage_backend="file",
                           hicache_storage_backend_extra_config=budget).storage
     backend = MemBackend({"store": uuid.uuid4().hex}, StorageContext("scheduler", 0, 1, 64))
     tree = HiRadixTree(32, make_eviction_policy("lru"))
     planner = L3Planner(storage, backend, [], 16, world_size=1, max_inflight_pages=64,
                         ctx=PlannerContext(tree, PageOps(tree)), block_bytes=block_bytes)
-    clock = Clock()
+    clock = FakeClock(0.0)
     planner.write_budget.clock = clock
     planner.write_budget._filled_at = clock.now
     return planner, tree, clock

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from tests.conftest import make_config
+from tests.fake_clock import FakeClock
 from vllm_hicache.policy.load import (
     BandwidthEstimate,
     LoadDecider,
@@ -15,14 +16,6 @@ from vllm_hicache.policy.load import (
 )
 
 PAGE = 1 << 20  # 1 MiB pages
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # --- bandwidth ---------------------------------------------------------------------
@@ -184,7 +177,7 @@ def test_l3_time_includes_the_load_into_l1():
 
 
 def test_a_stale_l2_estimate_lets_one_hit_through_per_interval():
-    clock = Clock()
+    clock = FakeClock(0.0)
     d = LoadDecider("auto", PAGE, clock=clock, probe_interval_s=30.0)
     warm(d, l2_bytes_per_s=1e6)
     assert not d.load_l2(0, 1024, 64)
@@ -197,7 +190,7 @@ def test_a_stale_l2_estimate_lets_one_hit_through_per_interval():
 
 
 def test_l3_asks_for_a_sample_once_per_interval_once_measured():
-    clock = Clock()
+    clock = FakeClock(0.0)
     d = LoadDecider("auto", PAGE, clock=clock, l3_probe_interval_s=30.0)
     clock.now = 100.0
     assert not d.wants_l3_sample()  # never measured: nothing to refresh

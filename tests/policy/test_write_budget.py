@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import make_config
+from tests.fake_clock import FakeClock
 from vllm_hicache.policy.write_budget import (
     DAY_SLOT_S,
     REASON_BANDWIDTH,
@@ -18,16 +19,8 @@ from vllm_hicache.policy.write_budget import (
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_bucket_starts_full_refills_at_the_rate_and_caps_at_the_burst():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     b = WriteBudget(WriteBudgetConfig(bytes_per_s=100, burst_bytes=300), clock)
     assert b.room() == (300, REASON_BANDWIDTH)
     b.spend(250)
@@ -39,12 +32,12 @@ def test_the_bucket_starts_full_refills_at_the_rate_and_caps_at_the_burst():
 
 
 def test_burst_defaults_to_one_second_of_the_rate():
-    b = WriteBudget(WriteBudgetConfig(bytes_per_s=100), Clock())
+    b = WriteBudget(WriteBudgetConfig(bytes_per_s=100), FakeClock(1000.0))
     assert b.room()[0] == 100
 
 
 def test_what_is_spent_over_any_interval_stays_within_burst_plus_rate_times_time():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     b = WriteBudget(WriteBudgetConfig(bytes_per_s=1000, burst_bytes=4000), clock)
     spent = 0
     for _ in range(200):  # a greedy writer, every 10 ms
@@ -57,7 +50,7 @@ def test_what_is_spent_over_any_interval_stays_within_burst_plus_rate_times_time
 
 
 def test_the_day_window_limits_24_hours_and_frees_old_hours():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     b = WriteBudget(WriteBudgetConfig(bytes_per_day=1000), clock)
     assert b.room() == (1000, REASON_DAY)
     b.spend(600)
@@ -71,7 +64,7 @@ def test_the_day_window_limits_24_hours_and_frees_old_hours():
 
 
 def test_the_tighter_limit_binds_and_names_itself():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     b = WriteBudget(WriteBudgetConfig(bytes_per_s=100, burst_bytes=500, bytes_per_day=800), clock)
     assert b.room() == (500, REASON_BANDWIDTH)
     b.spend(500)
@@ -80,7 +73,7 @@ def test_the_tighter_limit_binds_and_names_itself():
 
 
 def test_no_limit_is_infinite_room():
-    b = WriteBudget(WriteBudgetConfig(), Clock())
+    b = WriteBudget(WriteBudgetConfig(), FakeClock(1000.0))
     assert not b.enabled and b.room()[0] == float("inf")
 
 

@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from tests.connector.harness import BLOCK
+from tests.fake_clock import FakeClock
 from tests.l3.test_planner import hold_backups, num_pages_stored
 from tests.scheduler.test_load_decision import _l3_backlog_harness, run_held, run_idle
 from tests.scheduler.test_scheduler import assert_clean, prompt
@@ -20,18 +21,10 @@ from vllm_hicache.scheduler.graceful_stop import GracefulStop
 from vllm_hicache.scheduler.stall_watch import STALLED_WORK_S, StallWatch
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now_s = 100.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
 def stop_harness(tiny_model_dir, timeout_s: int = 20):
     """Backups held; "a" (6 blocks) in flight, "b" (6 blocks) deferred."""
     h, store = _l3_backlog_harness(tiny_model_dir, max_backup_pages=4)
-    flag, clock = [False], Clock()
+    flag, clock = [False], FakeClock(100.0)
     stop = GracefulStop(stop_budget(timeout_s, 10.0), lambda: flag[0], clock)
     h.sched_half.graceful_stop = stop
     gate = hold_backups(h)
@@ -92,7 +85,7 @@ def test_when_the_flush_time_is_up_the_rest_is_dropped_and_counted(tiny_model_di
     try:
         flag[0] = True
         assert half.has_pending_work()  # stopping, within the flush time
-        clock.now_s += stop.budget.flush_s + 0.01
+        clock.now += stop.budget.flush_s + 0.01
         assert not half.has_pending_work()  # backups open, but the budget is spent
         assert planner.backups.backlog.num_blocks == 0
         line = stop.final_line(planner)
@@ -135,7 +128,7 @@ def test_a_tripped_breaker_does_not_keep_the_stop_waiting(tiny_model_dir):
     assert not stop.has_l2_only(planner)
     gate.set()
     run_idle(h)  # the in-flight backups finish; the backlog is skipped by the breaker
-    assert not half.has_pending_work() and not stop.budget.flush_s <= clock.now_s - 100.0
+    assert not half.has_pending_work() and not stop.budget.flush_s <= clock.now - 100.0
     assert planner.backups.open_backup_blocks() == 0 and planner.backups.backlog.num_blocks == 0
     assert num_pages_stored(store) == in_flight
     line = stop.final_line(planner)
@@ -148,7 +141,7 @@ def test_a_tripped_breaker_does_not_keep_the_stop_waiting(tiny_model_dir):
 def test_without_a_stop_nothing_changes(tiny_model_dir):
     h, store, stop, flag, clock, gate = stop_harness(tiny_model_dir)
     in_flight, deferred = queued(h)
-    clock.now_s += 1000.0
+    clock.now += 1000.0
     gate.set()
     run_idle(h)  # as before: the backlog is caught up while idle
     assert not stop.stopping and stop.final_line(h.sched_half.l3) is None
@@ -201,7 +194,7 @@ def test_under_write_back_a_stop_writes_out_what_only_l1_holds(tiny_model_dir):
                          "class_name": "MemBackend", "store": name})
     store = mem_backend.STORES[name]
     flag = [False]
-    stop = GracefulStop(stop_budget(20, 10.0), lambda: flag[0], Clock())
+    stop = GracefulStop(stop_budget(20, 10.0), lambda: flag[0], FakeClock(100.0))
     h.sched_half.graceful_stop = stop
     h.add("a", prompt(930, 4 * BLOCK + 1), max_tokens=1)
     h.run()
@@ -241,7 +234,7 @@ def test_a_stalled_store_does_not_end_the_flush_time_early(tiny_model_dir, monke
     # Every queued block in an open backup, none left only in L2 (a stop's
     # usual state once the backlog went out): only the backups keep it stepping.
     monkeypatch.setattr(graceful_stop, "l2_only_blocks", lambda planner: 0)
-    stall_clock = Clock()  # the stall rule's own, apart from the stop's
+    stall_clock = FakeClock(100.0)  # the stall rule's own, apart from the stop's
     half.stall_watch = StallWatch(clock=stall_clock)
     try:
         assert half.has_pending_work()  # open backups, no stop
@@ -249,10 +242,10 @@ def test_a_stalled_store_does_not_end_the_flush_time_early(tiny_model_dir, monke
         h.step(complete_async=False)  # the stop's first step
         assert stop.flushing and h.sched_half.l3.backups.open_backup_blocks() > 0
         assert half.has_pending_work()
-        stall_clock.now_s += STALLED_WORK_S + 1.0  # no progress since
+        stall_clock.now += STALLED_WORK_S + 1.0  # no progress since
         assert not half.stall_watch.keeps_stepping(True, len(half.ops))  # stalled
         assert half.has_pending_work()  # the flush time, not the stall rule, decides
-        clock.now_s += stop.budget.flush_s + 0.01
+        clock.now += stop.budget.flush_s + 0.01
         assert not half.has_pending_work()  # and its deadline ends it
     finally:
         gate.set()

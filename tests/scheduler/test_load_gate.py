@@ -7,18 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.fake_clock import FakeClock
 from vllm_hicache.common.stats import key
 from vllm_hicache.connector.metrics import HiCacheKVConnectorStats
 from vllm_hicache.policy.load import attention_pairs
 from vllm_hicache.scheduler.load_gate import LoadGate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def output(prefills: dict[str, tuple[int, int]], decodes: int = 0):
@@ -42,7 +35,7 @@ def stats(load=(0, 0), prefetch=(0, 0)):
 
 
 def test_sync_steps_are_timed_from_plan_to_result():
-    clock = Clock()
+    clock = FakeClock(100.0)
     gate = LoadGate("auto", 1 << 16, clock=clock)
     for n in (512, 1024, 2048, 256):
         gate.step_planned(output({"a": (n, 0)}), copies_in_forward=False)
@@ -54,7 +47,7 @@ def test_sync_steps_are_timed_from_plan_to_result():
 
 def test_async_steps_are_timed_from_the_previous_result():
     """Step N+1 is planned while N runs: its time starts when N's result is in."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     gate = LoadGate("auto", 1 << 16, clock=clock)
     gate.step_planned(output({"a": (1000, 0)}), False)
     for i in range(6):
@@ -69,7 +62,7 @@ def test_sync_result_belongs_to_the_latest_step():
     """A step that scheduled nothing (a request waiting for L3) reports only
     if a worker had something to say; synchronously, a result is always the
     latest step's."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     gate = LoadGate("auto", 1 << 16, clock=clock)
     gate.step_planned(output({}), False)       # nothing scheduled, no report
     clock.now += 0.5
@@ -82,7 +75,7 @@ def test_sync_result_belongs_to_the_latest_step():
 
 
 def test_pipelined_step_without_forward_makes_pairing_start_over():
-    clock = Clock()
+    clock = FakeClock(100.0)
     gate = LoadGate("auto", 1 << 16, clock=clock)
     gate.step_planned(output({"a": (1000, 0)}), False)
     gate.step_planned(output({"b": (1000, 0)}), False)   # before a's result: a batch queue
@@ -96,7 +89,7 @@ def test_pipelined_step_without_forward_makes_pairing_start_over():
 
 
 def test_decode_steps_and_steps_that_load_are_not_samples():
-    clock = Clock()
+    clock = FakeClock(100.0)
     gate = LoadGate("auto", 1 << 16, clock=clock)
     gate.step_planned(output({}, decodes=64), False)           # decode only
     gate.step_planned(output({"a": (20, 0)}, decodes=64), False)  # mostly decode
@@ -108,7 +101,7 @@ def test_decode_steps_and_steps_that_load_are_not_samples():
 
 
 def test_mixed_step_counts_every_tokens_attention():
-    clock = Clock()
+    clock = FakeClock(100.0)
     gate = LoadGate("auto", 1 << 16, clock=clock)
     gate.step_planned(output({"a": (1000, 24)}, decodes=8), False)
     planned = gate._outstanding[0]
